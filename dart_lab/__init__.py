@@ -1,0 +1,11 @@
+"""dart_lab: learn, reproduce and extend DART parallel-drafting speculative decoding (arXiv 2601.19278)."""
+from .config import GenerationConfig
+from .errors import DartLabError
+from .generate import Drafter, GenerationResult, generate, hf_generate
+from .target import Target, load_target
+from .tree import Tree
+from .verify import accept, greedy_accept, sample_accept, target_probs
+
+__version__ = "0.1.0"
+__all__ = ["GenerationConfig", "DartLabError", "Drafter", "GenerationResult", "generate", "hf_generate", "Target",
+           "load_target", "Tree", "accept", "greedy_accept", "sample_accept", "target_probs"]
