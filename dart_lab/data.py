@@ -1,0 +1,145 @@
+"""Evaluation prompts: MT-bench and HumanEval from their PyPI wheels, GSM8K / CodeAlpaca / Alpaca seed
+tasks from DART_LAB_DATA, any jsonl file, and (hub access only) the paper's seven sets.
+
+Every loader returns a list of {"id", "category", "prompt"} dicts in a fixed order, so two runs
+with the same name and count benchmark the same prompts.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from .assets import data_dir, embedded_file
+from .errors import DartLabError
+
+DATASETS = ("mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca")
+# the paper's evaluation sets on the hub (used only where the hub is reachable)
+HUB_DATASETS = {
+    "hub:alpaca": ("tatsu-lab/alpaca", "train", "instruction"),
+    "hub:code_alpaca": ("sahil280114/codealpaca", "train", "instruction"),
+    "hub:humaneval": ("openai/openai_humaneval", "test", "prompt"),
+    "hub:livecodebench": ("livecodebench/code_generation_lite", "test", "question_content"),
+    "hub:math500": ("HuggingFaceH4/MATH-500", "test", "problem"),
+    "hub:mbpp": ("google-research-datasets/mbpp", "test", "text"),
+}
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DartLabError(f"{path}: line {i} is not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _with_input(instruction: str, inp: str) -> str:
+    return f"{instruction}\n\n{inp}" if inp and inp.strip() else instruction
+
+
+def _jsonl_prompts(path: Path) -> list[dict]:
+    """MT-bench / Spec-Bench question format (first turn) or {"prompt": ...} / {"text": ...}."""
+    if not path.is_file():
+        raise DartLabError(f"jsonl dataset not found: {path}")
+    out = []
+    for i, r in enumerate(_read_jsonl(path)):
+        if isinstance(r.get("turns"), list) and r["turns"]:
+            text = r["turns"][0]
+        else:
+            text = r.get("prompt", r.get("text", r.get("instruction")))
+        if not isinstance(text, str) or not text.strip():
+            raise DartLabError(f"{path}: row {i + 1} has no 'turns', 'prompt', 'text' or 'instruction' string")
+        out.append({"id": str(r.get("question_id", r.get("id", i))), "category": r.get("category", path.stem),
+                    "prompt": text})
+    return out
+
+
+def load_prompts(name: str, n: int | None = None) -> list[dict]:
+    """The first `n` prompts (all if None) of dataset `name` (see DATASETS, 'jsonl:PATH', HUB_DATASETS)."""
+    if name == "mt_bench":
+        rows = [{"id": str(r["question_id"]), "category": r["category"], "prompt": r["turns"][0]}
+                for r in _read_jsonl(embedded_file("mt_bench"))]
+    elif name == "humaneval":
+        rows = [{"id": r["task_id"], "category": "humaneval",
+                 "prompt": "Complete the following Python function.\n\n" + r["prompt"]}
+                for r in _read_jsonl(embedded_file("humaneval"))]
+    elif name == "gsm8k":
+        rows = [{"id": f"gsm8k-test-{i}", "category": "gsm8k", "prompt": r["question"]}
+                for i, r in enumerate(_read_jsonl(_data_file("gsm8k_test.jsonl")))]
+    elif name == "code_alpaca":
+        data = json.loads(_data_file("code_alpaca_2k.json").read_text(encoding="utf-8"))
+        rows = [{"id": f"code-alpaca-{i}", "category": "code_alpaca", "prompt": _with_input(r["instruction"], r.get("input", ""))}
+                for i, r in enumerate(data)]
+    elif name == "alpaca":
+        rows = []
+        for r in _read_jsonl(_data_file("alpaca_seed_tasks.jsonl")):
+            inst = (r.get("instances") or [{}])[0]
+            rows.append({"id": r["id"], "category": "alpaca", "prompt": _with_input(r["instruction"], inst.get("input", ""))})
+    elif name.startswith("jsonl:"):
+        rows = _jsonl_prompts(Path(name[len("jsonl:"):]).expanduser())
+    elif name in HUB_DATASETS:
+        rows = _hub_prompts(name)
+    else:
+        raise DartLabError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}, jsonl:PATH "
+                           f"or (with hub access) {', '.join(HUB_DATASETS)}")
+    if not rows:
+        raise DartLabError(f"dataset {name!r} has no prompts")
+    return rows if n is None else rows[:n]
+
+
+def _data_file(name: str) -> Path:
+    root = data_dir(required=True)
+    path = root / name
+    if not path.is_file():
+        raise DartLabError(f"{name} not found in the data folder {root} (set DART_LAB_DATA)")
+    return path
+
+
+def _hub_prompts(name: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise DartLabError(f"{name} needs the 'datasets' package and hub access (pip install datasets)") from None
+    repo, split, field = HUB_DATASETS[name]
+    try:
+        ds = datasets.load_dataset(repo, split=split)
+    except Exception as e:  # network / auth problems surface as many exception types
+        raise DartLabError(f"cannot load {repo} from the hub: {str(e).splitlines()[0]}") from None
+    return [{"id": f"{name}-{i}", "category": name[4:], "prompt": r[field]} for i, r in enumerate(ds)]
+
+
+# ----------------------------------------------------------------------------- ShareGPT
+def iter_sharegpt(path: str | Path | None = None, limit: int | None = None):
+    """Yield complete ShareGPT conversations ({"id", "conversations": [{"from", "value"}, ...]}).
+
+    The packaged JSON array is cut off mid-record (the wheel caps it at 125 MB), so records are
+    decoded one by one with `raw_decode` and the first undecodable (truncated) record ends the
+    stream. Records without a non-empty list of turns are skipped.
+    """
+    path = Path(path) if path else embedded_file("sharegpt")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        raise DartLabError(f"{path} is not a ShareGPT JSON array")
+    i += 1
+    n, size = 0, len(text)
+    while i < size and (limit is None or n < limit):
+        while i < size and text[i] in " \t\r\n,":
+            i += 1
+        if i >= size or text[i] == "]":
+            break
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # truncated tail
+        turns = rec.get("conversations") if isinstance(rec, dict) else None
+        if isinstance(turns, list) and turns and all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns):
+            n += 1
+            yield rec

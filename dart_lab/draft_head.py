@@ -1,0 +1,323 @@
+"""The DART draft head (paper section 3.1; NOTES.md "Draft head").
+
+    aux (n, 3H) --fc--> g (n, H)                       three target layers fused, bias-free
+    x_i = concat(RMSNorm(embed(token_{i+1})), RMSNorm(g_i))   (n, 2H), the "shift": position i
+                                                        pairs g_i with the NEXT token's embedding
+    + draft_length copies of one learned mask vector (2H) -> (n + d, 2H); the first H of the mask
+      is also its residual. Masks differ only by their RoPE position.
+    one decoder layer: causal attention over [draft KV cache | prefix | masks], q/k/v from 2H,
+      residual = g (prefix) / mask[:H] (masks); MLP on the last d+1 positions only
+    final RMSNorm -> lm_head over the draft vocabulary (draft id + d2t[id] = target id)
+
+One forward returns d+1 logits: the last prefix position predicts the token after the tree root
+(level 0), mask j predicts level j. The head's KV cache keeps prefix positions only; mask K/V are
+recomputed every round.
+
+State-dict keys and config.json fields follow the official release (fvliang/qwen*-dart):
+fc, midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, hidden_norm, input_layernorm,
+post_attention_layernorm, mask_rep}, norm, lm_head, d2t, t2d (+ embed_tokens, ignored: we share the
+target's frozen embedding).
+
+Final norm: the released inference code applies `norm` twice (end of forward and again in
+compute_logits). Our heads are trained and run with ONE norm (`final_norm_twice=False`); checkpoints
+loaded from the official layout default to `final_norm_twice=True` to reproduce the released
+behaviour. Both paths are tested.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import DartLabError
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Widths follow the target; draft_length = number of mask tokens appended at inference."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # target vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int | None = None
+    head_dim: int | None = None
+    draft_length: int = 7
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    final_norm_twice: bool = False
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def for_target(cls, model_config, draft_vocab_size: int | None = None, draft_length: int = 7) -> "HeadConfig":
+        """Widths copied from a HF target config."""
+        c = model_config
+        return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                   num_attention_heads=c.num_attention_heads,
+                   num_key_value_heads=getattr(c, "num_key_value_heads", c.num_attention_heads),
+                   vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size or c.vocab_size,
+                   target_hidden_size=c.hidden_size, head_dim=getattr(c, "head_dim", None), draft_length=draft_length,
+                   rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=_rope_theta(c),
+                   max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
+                   hidden_act=getattr(c, "hidden_act", "silu"))
+
+    def to_official_json(self, architecture: str = "LlamaForCausalLMDart") -> dict:
+        """config.json in the official layout (LlamaForCausalLMDart / LlamaForCausalLMEagle3)."""
+        d = asdict(self)
+        d.update(architectures=[architecture], model_type="llama", head_dim=self.hd,
+                 target_hidden_size=self.target_hidden_size or self.hidden_size, tie_word_embeddings=False,
+                 pretraining_tp=1)
+        return d
+
+    @classmethod
+    def from_official_json(cls, d: dict) -> "HeadConfig":
+        names = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "rope_theta" not in kw:
+            kw["rope_theta"] = float((d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        # heads written by dart_lab record their norm choice; the official ones do not (twice)
+        kw.setdefault("final_norm_twice", True)
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size")
+                   if k not in kw]
+        if missing:
+            raise DartLabError(f"DART config.json lacks {', '.join(missing)}")
+        kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+        return cls(**kw)
+
+
+def _rope_theta(c) -> float:
+    if getattr(c, "rope_theta", None) is not None:
+        return float(c.rope_theta)
+    params = getattr(c, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (T,) -> cos, sin (T, head_dim) for the standard half-rotation RoPE."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.float()[:, None] * inv[None]
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, hd)."""
+    h = x.shape[-1] // 2
+    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        hd, nh, nkv = cfg.hd, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        self.nh, self.nkv, self.hd, self.theta = nh, nkv, hd, cfg.rope_theta
+
+    def forward(self, x, positions, mask, past_kv=None):
+        """x (B, T, 2H); positions (T,); mask (T, S) bool (True = attend) or None for causal;
+        past_kv: (k, v) each (B, nkv, P, hd). Returns out (B, T, H), new (k, v) of the T inputs."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.hd, self.theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_kv = (k, v)
+        if past_kv is not None and past_kv[0].shape[-2] > 0:
+            k = torch.cat([past_kv[0], k], dim=-2)
+            v = torch.cat([past_kv[1], v], dim=-2)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        if mask is None:  # causal over the new positions, everything cached is visible
+            P = k.shape[-2] - T
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), new_kv
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The single decoder layer shared by DART (with the learned mask vector) and EAGLE-3 (without)."""
+
+    def __init__(self, cfg: HeadConfig, with_mask: bool = True):
+        super().__init__()
+        if with_mask:
+            self.mask_rep = nn.Parameter(torch.randn(2 * cfg.hidden_size) * 0.02)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class HeadBase(nn.Module):
+    """What DART and EAGLE-3 heads share: fc over the 3 aux states, one MidLayer, final norm,
+    lm_head over the draft vocabulary with d2t / t2d, the target's frozen embedding, checkpoints."""
+
+    architecture = "LlamaForCausalLMDart"
+    with_mask = True
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(3 * (cfg.target_hidden_size or H), H, bias=False)
+        self.midlayer = MidLayer(cfg, with_mask=self.with_mask)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.embed_tokens: nn.Embedding | None = None  # the target's, attached by `attach_embedding`
+
+    # -- vocabulary
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """draft_to_target (Vd,) target ids of the draft vocabulary, in draft-id order."""
+        ids = torch.as_tensor(draft_to_target, dtype=torch.long)
+        if ids.numel() != self.cfg.draft_vocab_size:
+            raise DartLabError(f"draft vocabulary has {ids.numel()} ids, the head expects {self.cfg.draft_vocab_size}")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_to_target(self) -> torch.Tensor:
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def attach_embedding(self, embedding: nn.Embedding) -> None:
+        """Share the target's token embedding (frozen; not part of the head's state dict)."""
+        if embedding.weight.shape[1] != self.cfg.hidden_size or embedding.weight.shape[0] != self.cfg.vocab_size:
+            raise DartLabError(f"target embedding is {tuple(embedding.weight.shape)}, the head expects "
+                               f"({self.cfg.vocab_size}, {self.cfg.hidden_size})")
+        object.__setattr__(self, "embed_tokens", embedding)  # not registered: stays out of state_dict()
+
+    # -- checkpoints (official layout)
+    def save(self, out_dir: str | Path, extra_card: str | None = None) -> Path:
+        """Atomically write model.safetensors + config.json (official layout)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(sd, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(self.cfg.to_official_json(self.architecture), indent=1))
+        if extra_card:
+            (tmp / "README.md").write_text(extra_card)
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path, target=None, device=None, dtype=None):
+        """Load a head from a folder with config.json + model.safetensors (official or ours). With
+        `target`, check that it fits (hidden size, vocabulary) and attach its embedding."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise DartLabError(f"{path} is not a draft head folder (needs config.json and model.safetensors)")
+        raw = json.loads((path / "config.json").read_text())
+        arch = (raw.get("architectures") or [cls.architecture])[0]
+        if arch != cls.architecture:
+            raise DartLabError(f"{path} holds a {arch} head, not a {cls.architecture}")
+        cfg = HeadConfig.from_official_json(raw)
+        head = cls(cfg)
+        sd = load_file(str(path / "model.safetensors"))
+        sd.pop("embed_tokens.weight", None)
+        missing, unexpected = head.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise DartLabError(f"{path}: state dict does not match a {cls.architecture} head (missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]})")
+        if target is not None:
+            check_fits(cfg.target_hidden_size or cfg.hidden_size, cfg.vocab_size, target, cls.architecture)
+            head.attach_embedding(target.model.get_input_embeddings())
+            device, dtype = device or target.device, dtype or target.dtype
+        return head.to(device=device, dtype=dtype).eval() if device or dtype else head.eval()
+
+
+
+class DartHead(HeadBase):
+    """See the module docstring. All shapes are batch-first; inference uses B = 1."""
+
+    # -- forward
+    def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                past_kv=None, n_masks: int | None = None, attn_mask: torch.Tensor | None = None,
+                return_all: bool = False):
+        """aux (B, n, 3H') target aux states; next_ids (B, n) the token AFTER each position (shift);
+        positions (n + n_masks,) RoPE ids; past_kv: cached prefix (k, v) or None.
+        attn_mask: (n + m, P + n + m) bool, default causal (training passes its block mask).
+        Returns logits (B, 1 + n_masks, Vd) for the last prefix position and the masks (or for every
+        position if return_all), and the (k, v) of the n prefix positions to append to the cache."""
+        m = self.cfg.draft_length if n_masks is None else n_masks
+        lay = self.midlayer
+        B, n, _ = aux.shape
+        g = self.fc(aux)  # (B, n, H)
+        emb = self.embed_tokens(next_ids).to(g.dtype)
+        x = torch.cat([lay.input_layernorm(emb), lay.hidden_norm(g)], dim=-1)  # (B, n, 2H)
+        H = self.cfg.hidden_size
+        resid = g
+        if m:
+            mask_vec = lay.mask_rep.to(x.dtype)
+            x = torch.cat([x, mask_vec.expand(B, m, 2 * H)], dim=1)
+            resid = torch.cat([g, mask_vec[:H].expand(B, m, H)], dim=1)
+        attn, kv = lay.self_attn(x, positions, attn_mask, past_kv)
+        h = resid + attn
+        if not return_all:
+            h = h[:, n - 1:]  # last prefix position + masks (MLP only where logits are needed)
+        h = h + lay.mlp(lay.post_attention_layernorm(h))
+        h = self.norm(h)
+        if self.cfg.final_norm_twice:
+            h = self.norm(h)
+        logits = self.lm_head(h)
+        return logits, (kv[0][:, :, :n], kv[1][:, :, :n])
+
+
+def check_fits(hidden: int, vocab: int, target, what: str) -> None:
+    if hidden != target.hidden_size:
+        raise DartLabError(f"{what} expects target hidden size {hidden}, the target has {target.hidden_size}")
+    if vocab != target.model.get_input_embeddings().weight.shape[0]:
+        raise DartLabError(f"{what} expects a target vocabulary of {vocab}, the target has "
+                           f"{target.model.get_input_embeddings().weight.shape[0]}")

@@ -1,0 +1,272 @@
+"""Order-3 n-gram model for n-gram-enforced continuity in the tree search (paper section 3.2).
+
+p(t | a, b) = count(a, b, t) / count(a, b)   if the context (a, b) was seen,
+            = count(b, t) / count(b)         else if b was seen (back-off to the shorter context),
+            = 0                              otherwise (no smoothing; the search adds 1e-10).
+
+Counts are stored as sorted int64 keys (a*V + b)*V + t with uint32 counts, so a batch of lookups is
+two `np.searchsorted` calls: fast enough to score 20 x 25 candidates per level in microseconds.
+
+Sources: any token sequences (default: the packaged ShareGPT conversations tokenised with the target
+tokenizer), or the official binary `.trie` files (fvliang/dart-qwen3-ngram):
+    size_t order, size_t node_count, then per node:
+    int32 token, size_t parent, int32 freq, size_t n_children, n_children x (int32 token, size_t id)
+(native little-endian; node 0 is the root; a node at depth k holds the count of a k-gram).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DartLabError
+
+
+class NGram:
+    """Unigram, bigram and trigram counts over a vocabulary of size V."""
+
+    def __init__(self, vocab_size: int, uni: tuple, bi: tuple, tri: tuple, meta: dict | None = None):
+        self.V = int(vocab_size)
+        self.uni_keys, self.uni_counts = uni
+        self.bi_keys, self.bi_counts = bi
+        self.tri_keys, self.tri_counts = tri
+        self.meta = meta or {}
+
+    # -- building
+    @classmethod
+    def from_sequences(cls, seqs, vocab_size: int, meta: dict | None = None) -> "NGram":
+        """Count every 1/2/3-gram inside each sequence (no n-gram crosses a sequence boundary)."""
+        V = np.int64(vocab_size)
+        parts = {1: [], 2: [], 3: []}
+        for s in seqs:
+            a = np.asarray(s, dtype=np.int64)
+            if a.size == 0:
+                continue
+            if a.min() < 0 or a.max() >= V:
+                raise DartLabError(f"token id outside the vocabulary (size {vocab_size}) in the n-gram corpus")
+            parts[1].append(a)
+            if a.size >= 2:
+                parts[2].append(a[:-1] * V + a[1:])
+            if a.size >= 3:
+                parts[3].append((a[:-2] * V + a[1:-1]) * V + a[2:])
+        tables = []
+        for k in (1, 2, 3):
+            if parts[k]:
+                keys, counts = np.unique(np.concatenate(parts[k]), return_counts=True)
+            else:
+                keys, counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
+            tables.append((keys.astype(np.int64), counts.astype(np.uint32)))
+        return cls(vocab_size, *tables, meta=meta)
+
+    # -- lookups
+    @staticmethod
+    def _count(keys: np.ndarray, counts: np.ndarray, q: np.ndarray) -> np.ndarray:
+        if keys.size == 0:
+            return np.zeros(q.shape, np.float64)
+        idx = np.minimum(np.searchsorted(keys, q), keys.size - 1)
+        return np.where(keys[idx] == q, counts[idx], 0).astype(np.float64)
+
+    def prob(self, ctx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """ctx (B, 2) int64 last two tokens (-1 where absent, e.g. at the start); tokens (B, K).
+        Returns p(tokens | ctx) (B, K) float64 with back-off as in the module docstring."""
+        V = np.int64(self.V)
+        ctx = np.asarray(ctx, dtype=np.int64)
+        t = np.asarray(tokens, dtype=np.int64)
+        a, b = ctx[:, :1], ctx[:, 1:2]
+        has_a = a >= 0
+        has_b = b >= 0
+        c_ab = np.where(has_a & has_b, self._count(self.bi_keys, self.bi_counts, np.where(has_a, a, 0) * V + np.where(has_b, b, 0)), 0)
+        c_b = np.where(has_b, self._count(self.uni_keys, self.uni_counts, np.where(has_b, b, 0)), 0)
+        out = np.zeros(t.shape, np.float64)
+        tri_ctx = (c_ab > 0)[:, 0]
+        if tri_ctx.any():
+            q = (a[tri_ctx] * V + b[tri_ctx]) * V + t[tri_ctx]
+            out[tri_ctx] = self._count(self.tri_keys, self.tri_counts, q) / c_ab[tri_ctx]
+        bi_ctx = ~tri_ctx & (c_b > 0)[:, 0]
+        if bi_ctx.any():
+            q = b[bi_ctx] * V + t[bi_ctx]
+            out[bi_ctx] = self._count(self.bi_keys, self.bi_counts, q) / c_b[bi_ctx]
+        return out
+
+    @property
+    def num_ngrams(self) -> dict:
+        return {"unigrams": int(self.uni_keys.size), "bigrams": int(self.bi_keys.size), "trigrams": int(self.tri_keys.size)}
+
+    # -- persistence
+    def save(self, path: str | Path) -> Path:
+        """Atomic .npz write."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp.npz", dir=path.parent)
+        os.close(fd)
+        try:
+            np.savez(tmp, V=np.int64(self.V), uni_keys=self.uni_keys, uni_counts=self.uni_counts,
+                     bi_keys=self.bi_keys, bi_counts=self.bi_counts, tri_keys=self.tri_keys,
+                     tri_counts=self.tri_counts, meta=np.frombuffer(json.dumps(self.meta).encode(), np.uint8))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "NGram":
+        path = Path(path)
+        if path.suffix == ".trie":
+            return read_trie(path)
+        try:
+            z = np.load(path)
+            meta = json.loads(bytes(z["meta"]).decode()) if "meta" in z else {}
+            return cls(int(z["V"]), (z["uni_keys"], z["uni_counts"]), (z["bi_keys"], z["bi_counts"]),
+                       (z["tri_keys"], z["tri_counts"]), meta=meta)
+        except (OSError, KeyError, ValueError) as e:
+            raise DartLabError(f"cannot read n-gram file {path}: {e}") from None
+
+
+def read_trie(path: str | Path, vocab_size: int | None = None) -> NGram:
+    """Read an official DART `.trie` file (layout in the module docstring) into an NGram."""
+    path = Path(path)
+    try:
+        buf = path.read_bytes()
+    except OSError as e:
+        raise DartLabError(f"cannot read trie {path}: {e}") from None
+    try:
+        order, n = struct.unpack_from("<QQ", buf, 0)
+        off = 16
+        token = np.empty(n, np.int64)
+        parent = np.empty(n, np.int64)
+        freq = np.empty(n, np.int64)
+        head = struct.Struct("<iQiQ")
+        for i in range(n):
+            token[i], parent[i], freq[i], nc = head.unpack_from(buf, off)
+            off += head.size + 12 * nc  # children (int32 token, size_t id) are implied by parent links
+    except struct.error:
+        raise DartLabError(f"{path} is truncated or not a DART .trie file") from None
+    if off != len(buf):
+        raise DartLabError(f"{path}: {len(buf) - off} trailing bytes after {n} nodes; not a DART .trie file")
+    depth = np.zeros(n, np.int64)
+    for i in range(1, n):  # parents are written before children in the official writer
+        depth[i] = depth[parent[i]] + 1 if parent[i] < i else -1
+    if (depth < 0).any():
+        # fall back to an order-independent resolution
+        for i in np.flatnonzero(depth < 0):
+            d, j = 0, i
+            while j != 0:
+                j, d = parent[j], d + 1
+            depth[i] = d
+    V = int(vocab_size or (token.max() + 1))
+    Vi = np.int64(V)
+    out = []
+    for k in (1, 2, 3):
+        sel = np.flatnonzero(depth == k)
+        if k == 1:
+            key = token[sel]
+        elif k == 2:
+            key = token[parent[sel]] * Vi + token[sel]
+        else:
+            p1 = parent[sel]
+            key = (token[parent[p1]] * Vi + token[p1]) * Vi + token[sel]
+        o = np.argsort(key, kind="stable")
+        out.append((key[o].astype(np.int64), freq[sel][o].astype(np.uint32)))
+    return NGram(V, *out, meta={"source": str(path), "order": int(order), "nodes": int(n)})
+
+
+def write_trie(path: str | Path, sequences, order: int = 3) -> None:
+    """Write a `.trie` in the official layout (for tests and for exporting our counts).
+
+    Every window seq[i:i+order] is inserted from the root, incrementing freq along its path."""
+    token, parent, freq, children = [-1], [0], [0], [{}]
+    for s in sequences:
+        s = list(s)
+        for i in range(len(s)):
+            node = 0
+            for t in s[i:i + order]:
+                nxt = children[node].get(t)
+                if nxt is None:
+                    nxt = len(token)
+                    token.append(t), parent.append(node), freq.append(0), children.append({})
+                    children[node][t] = nxt
+                node = nxt
+                freq[node] += 1
+    with open(path, "wb") as f:
+        f.write(struct.pack("<QQ", order, len(token)))
+        for i in range(len(token)):
+            f.write(struct.pack("<iQiQ", token[i], parent[i], freq[i], len(children[i])))
+            for t, c in children[i].items():
+                f.write(struct.pack("<iQ", t, c))
+
+
+# ----------------------------------------------------------------------------- corpus
+def corpus_key(tokenizer_name: str, source: str, max_tokens: int) -> str:
+    return hashlib.sha256(f"{tokenizer_name}|{source}|{max_tokens}".encode()).hexdigest()[:16]
+
+
+def corpus_texts(source: str = "sharegpt"):
+    """Texts of an n-gram corpus: 'sharegpt' (every turn of the packaged conversations) or
+    'jsonl:PATH' (the 'text' field of each row)."""
+    from .data import _read_jsonl, iter_sharegpt
+
+    if source == "sharegpt":
+        for rec in iter_sharegpt():
+            for turn in rec["conversations"]:
+                if turn["value"].strip():
+                    yield turn["value"]
+    elif source.startswith("jsonl:"):
+        path = Path(source[len("jsonl:"):]).expanduser()
+        if not path.is_file():
+            raise DartLabError(f"n-gram corpus not found: {path}")
+        for i, row in enumerate(_read_jsonl(path)):
+            if not isinstance(row.get("text"), str):
+                raise DartLabError(f"{path}: row {i + 1} has no 'text' string")
+            yield row["text"]
+    else:
+        raise DartLabError(f"unknown n-gram corpus {source!r}: use 'sharegpt' or 'jsonl:PATH'")
+
+
+def build_ngram(tokenizer, source: str = "sharegpt", max_tokens: int | None = None, cache: bool = True,
+                batch: int = 2000, progress: bool = False) -> NGram:
+    """Tokenise `source` with the target tokenizer and count 1/2/3-grams; cached under
+    DART_LAB_CACHE/ngram keyed by tokenizer, source and max_tokens."""
+    from .assets import cache_dir
+
+    name = getattr(tokenizer, "name_or_path", "") + f"|{len(tokenizer)}"
+    path = cache_dir() / "ngram" / f"{corpus_key(name, source, max_tokens or 0)}.npz"
+    if cache and path.is_file():
+        try:
+            return NGram.load(path)
+        except DartLabError:
+            pass  # corrupt cache: rebuild
+    seqs, total, chunk = [], 0, []
+    texts = corpus_texts(source)
+    if progress:
+        from tqdm.auto import tqdm
+
+        texts = tqdm(texts, desc="tokenising n-gram corpus", unit="text")
+
+    def flush():
+        nonlocal total
+        for ids in tokenizer(chunk, add_special_tokens=False).input_ids:
+            seqs.append(np.asarray(ids, dtype=np.int32))
+            total += len(ids)
+        chunk.clear()
+
+    for t in texts:
+        chunk.append(t)
+        if len(chunk) >= batch:
+            flush()
+            if max_tokens and total >= max_tokens:
+                break
+    if chunk and not (max_tokens and total >= max_tokens):
+        flush()
+    if not seqs:
+        raise DartLabError(f"n-gram corpus {source!r} is empty")
+    ng = NGram.from_sequences(seqs, len(tokenizer), meta={"source": source, "tokens": total,
+                                                          "tokenizer": getattr(tokenizer, "name_or_path", "")})
+    if cache:
+        ng.save(path)
+    return ng
