@@ -56,6 +56,41 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="output JSON file")
     b.add_argument("--no-progress", action="store_true")
     _add_generation_args(b)
+
+    f = sub.add_parser("features", help="one target pass over ShareGPT: the feature cache for training")
+    f.add_argument("--target", default="smollm2-135m")
+    f.add_argument("--out", required=True, help="feature folder (train/ and val/ inside)")
+    f.add_argument("--num-train", type=int, default=3072)
+    f.add_argument("--num-val", type=int, default=64)
+    f.add_argument("--val-skip", type=int, default=17000, help="validation conversations start here (held out)")
+    f.add_argument("--max-len", type=int, default=512)
+    f.add_argument("--device", default="auto")
+    f.add_argument("--dtype", default="auto")
+
+    t = sub.add_parser("train", help="train a DART or EAGLE-3 head from a feature cache")
+    t.add_argument("kind", help="dart | eagle3")
+    t.add_argument("--target", default="smollm2-135m")
+    t.add_argument("--features", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--max-steps", type=int, default=600)
+    t.add_argument("--time-budget", type=float, default=0.0, help="minutes; stop early when reached")
+    t.add_argument("--gamma", type=float, default=0.6)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--draft-vocab-size", type=int, default=8192)
+    t.add_argument("--draft-length", type=int, default=7)
+    t.add_argument("--seqs-per-step", type=int, default=2)
+    t.add_argument("--anchors-per-seq", type=int, default=64)
+    t.add_argument("--save-every", type=int, default=50)
+    t.add_argument("--val-every", type=int, default=100)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--dtype", default="auto")
+
+    n = sub.add_parser("build-ngram", help="count 1/2/3-grams of a corpus with the target tokenizer")
+    n.add_argument("--target", default="smollm2-135m")
+    n.add_argument("--corpus", default="sharegpt", help="sharegpt | jsonl:PATH (a 'text' field per row)")
+    n.add_argument("--max-tokens", type=int, default=0)
+    n.add_argument("--out", default="", help="also save the table here (.npz); it is always cached")
     return ap
 
 
@@ -101,6 +136,43 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_features(args) -> int:
+    from .features import extract_features
+    from .target import load_target
+
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    extract_features(target, args.out, args.num_val, args.max_len, split="val", skip=args.val_skip)
+    extract_features(target, args.out, args.num_train, args.max_len, split="train")
+    print(f"features in {args.out}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .target import load_target
+    from .train import TrainConfig, train_head
+
+    cfg = TrainConfig(kind=args.kind, max_steps=args.max_steps, time_budget_min=args.time_budget, gamma=args.gamma,
+                      lr=args.lr, draft_vocab_size=args.draft_vocab_size, draft_length=args.draft_length,
+                      seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
+                      save_every=args.save_every, val_every=args.val_every, seed=args.seed)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    summary = train_head(target, args.features, args.out, cfg)
+    print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "wall_time_s", "validation")}))
+    return 0
+
+
+def cmd_build_ngram(args) -> int:
+    from .ngram import build_ngram
+    from .target import load_target
+
+    target = load_target(args.target, device="cpu", dtype="fp32")
+    ng = build_ngram(target.tokenizer, args.corpus, max_tokens=args.max_tokens or None, progress=True)
+    if args.out:
+        ng.save(args.out)
+    print(json.dumps({"meta": ng.meta, **ng.num_ngrams}))
+    return 0
+
+
 def format_table(res: dict) -> str:
     lines = [f"{'method':<14}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'draft ms':>10}{'search ms':>11}{'verify ms':>11}{'match_ar':>10}"]
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -114,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+        cmds = {"generate": cmd_generate, "bench": cmd_bench, "features": cmd_features, "train": cmd_train,
+                "build-ngram": cmd_build_ngram}
+        return cmds[args.command](args)
     except DartLabError as e:
         print(f"dart-lab: error: {e}", file=sys.stderr)
         return 2

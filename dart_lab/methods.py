@@ -73,7 +73,7 @@ def load_ngram_for(target, spec: str, max_tokens: int = 0):
     if spec.endswith((".npz", ".trie")):
         if not Path(spec).is_file():
             raise DartLabError(f"n-gram file not found: {spec}")
-        return NGram.load(spec)
+        return NGram.load(spec, vocab_size=target.vocab_size)
     if target.tokenizer is None:
         raise DartLabError("building an n-gram table needs the target's tokenizer")
     return build_ngram(target.tokenizer, spec, max_tokens=max_tokens or None)

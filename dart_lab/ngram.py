@@ -115,10 +115,11 @@ class NGram:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "NGram":
+    def load(cls, path: str | Path, vocab_size: int | None = None) -> "NGram":
+        """An .npz written by `save`, or an official .trie (vocab_size = the target's)."""
         path = Path(path)
         if path.suffix == ".trie":
-            return read_trie(path)
+            return read_trie(path, vocab_size)
         try:
             z = np.load(path)
             meta = json.loads(bytes(z["meta"]).decode()) if "meta" in z else {}

