@@ -67,7 +67,10 @@ class BenchConfig:
                                 top_k=self.top_k, seed=self.seed if seed is None else seed)
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """Identifies rows that can be reused on resume (num_prompts excluded: a larger run reuses them)."""
+        d = asdict(self)
+        d.pop("num_prompts")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def machine_info(target) -> dict:

@@ -285,12 +285,13 @@ class DartHead(HeadBase):
     # -- forward
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                 past_kv=None, n_masks: int | None = None, attn_mask: torch.Tensor | None = None,
-                return_all: bool = False):
+                return_all: bool = False, return_hidden: bool = False):
         """aux (B, n, 3H') target aux states; next_ids (B, n) the token AFTER each position (shift);
         positions (n + n_masks,) RoPE ids; past_kv: cached prefix (k, v) or None.
         attn_mask: (n + m, P + n + m) bool, default causal (training passes its block mask).
         Returns logits (B, 1 + n_masks, Vd) for the last prefix position and the masks (or for every
-        position if return_all), and the (k, v) of the n prefix positions to append to the cache."""
+        position if return_all; the final-normed hidden states instead if return_hidden), and the
+        (k, v) of the n prefix positions to append to the cache."""
         m = self.cfg.draft_length if n_masks is None else n_masks
         lay = self.midlayer
         B, n, _ = aux.shape
@@ -311,8 +312,9 @@ class DartHead(HeadBase):
         h = self.norm(h)
         if self.cfg.final_norm_twice:
             h = self.norm(h)
-        logits = self.lm_head(h)
-        return logits, (kv[0][:, :, :n], kv[1][:, :, :n])
+        if return_hidden:  # training applies lm_head only on the supervised rows
+            return h, (kv[0][:, :, :n], kv[1][:, :, :n])
+        return self.lm_head(h), (kv[0][:, :, :n], kv[1][:, :, :n])
 
 
 def check_fits(hidden: int, vocab: int, target, what: str) -> None:

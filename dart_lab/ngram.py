@@ -71,26 +71,37 @@ class NGram:
         idx = np.minimum(np.searchsorted(keys, q), keys.size - 1)
         return np.where(keys[idx] == q, counts[idx], 0).astype(np.float64)
 
+    @property
+    def _uni_dense(self) -> np.ndarray:
+        """(V,) unigram counts, built on first use: O(1) lookups for the back-off denominator."""
+        if getattr(self, "_uni_cache", None) is None:
+            d = np.zeros(self.V, np.float64)
+            d[self.uni_keys] = self.uni_counts
+            self._uni_cache = d
+        return self._uni_cache
+
     def prob(self, ctx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """ctx (B, 2) int64 last two tokens (-1 where absent, e.g. at the start); tokens (B, K).
-        Returns p(tokens | ctx) (B, K) float64 with back-off as in the module docstring."""
+        Returns p(tokens | ctx) (B, K) float64 with back-off as in the module docstring.
+        Two binary searches per call: bigram table (context counts and back-off counts together),
+        then trigram table."""
         V = np.int64(self.V)
         ctx = np.asarray(ctx, dtype=np.int64)
         t = np.asarray(tokens, dtype=np.int64)
-        a, b = ctx[:, :1], ctx[:, 1:2]
-        has_a = a >= 0
-        has_b = b >= 0
-        c_ab = np.where(has_a & has_b, self._count(self.bi_keys, self.bi_counts, np.where(has_a, a, 0) * V + np.where(has_b, b, 0)), 0)
-        c_b = np.where(has_b, self._count(self.uni_keys, self.uni_counts, np.where(has_b, b, 0)), 0)
-        out = np.zeros(t.shape, np.float64)
-        tri_ctx = (c_ab > 0)[:, 0]
-        if tri_ctx.any():
-            q = (a[tri_ctx] * V + b[tri_ctx]) * V + t[tri_ctx]
-            out[tri_ctx] = self._count(self.tri_keys, self.tri_counts, q) / c_ab[tri_ctx]
-        bi_ctx = ~tri_ctx & (c_b > 0)[:, 0]
-        if bi_ctx.any():
-            q = b[bi_ctx] * V + t[bi_ctx]
-            out[bi_ctx] = self._count(self.bi_keys, self.bi_counts, q) / c_b[bi_ctx]
+        B, K = t.shape
+        a, b = ctx[:, 0], ctx[:, 1]
+        b0 = np.maximum(b, 0)
+        c_b = np.where(b >= 0, self._uni_dense[b0], 0.0)  # count(b)
+        q_bi = np.concatenate([np.maximum(a, 0) * V + b0, (b0[:, None] * V + t).ravel()])
+        cnt = self._count(self.bi_keys, self.bi_counts, q_bi)
+        c_ab = np.where((a >= 0) & (b >= 0), cnt[:B], 0.0)  # count(a, b)
+        c_bt = cnt[B:].reshape(B, K)  # count(b, t)
+        tri_rows = c_ab > 0
+        out = np.where((c_b > 0)[:, None], c_bt / np.maximum(c_b, 1.0)[:, None], 0.0)
+        if tri_rows.any():
+            q = ((a[tri_rows] * V + b[tri_rows])[:, None] * V + t[tri_rows]).ravel()
+            c_abt = self._count(self.tri_keys, self.tri_counts, q).reshape(-1, K)
+            out[tri_rows] = c_abt / c_ab[tri_rows][:, None]
         return out
 
     @property

@@ -75,35 +75,39 @@ def tree_search(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram,
     beam_idx = np.array([-1])  # node ids of the current beam (root only)
     beam_score = np.zeros(1)
     beam_ctx = last2[None]  # (B, 2) last two tokens of context + path
+    K = tokens.shape[1]
     for lvl in range(D):
         B = beam_idx.size
         if B == 0:
             break
         w_level = (lvl + 1) ** -cfg.level_exponent
         w_logit = cfg.logit_decay ** lvl
-        cand_tok = np.broadcast_to(tokens[lvl], (B, tokens.shape[1]))
-        inc = w_logit * np.broadcast_to(logp[lvl], cand_tok.shape)
+        tok_l = tokens[lvl]  # (K,) the same candidates for every beam path (parallel drafting)
+        inc = np.tile(w_logit * logp[lvl], (B, 1))
         if use_ng and (lvl > 0 or cfg.ngram_at_level0):
-            p_ng = ngram.prob(beam_ctx, cand_tok)
-            inc = inc + cfg.w_ngram * np.log(p_ng + cfg.eps)
+            p_ng = ngram.prob(beam_ctx, np.broadcast_to(tok_l, (B, K)))
+            inc += cfg.w_ngram * np.log(p_ng + cfg.eps)
         else:
-            p_ng = np.full(cand_tok.shape, np.nan)
+            p_ng = np.full((B, K), np.nan)
         score = (beam_score[:, None] + w_level * inc).ravel()
-        is_eos = np.isin(cand_tok.ravel(), eos) if eos.size else np.zeros(score.size, bool)
+        eos_l = np.isin(tok_l, eos) if eos.size else np.zeros(K, bool)
+        is_eos = np.tile(eos_l, B)
         # EOS-ending paths rank after all others; stable sort keeps ties in candidate order
         order = np.lexsort((-score, is_eos))[: cfg.beam_width]
-        parent_row = order // cand_tok.shape[1]
+        parent_row, col = np.divmod(order, K)
+        sel_tok = tok_l[col]
         new_ids = np.arange(len(n_tok), len(n_tok) + order.size)
-        n_tok.extend(cand_tok.ravel()[order].tolist())
+        n_tok.extend(sel_tok.tolist())
         n_par.extend(beam_idx[parent_row].tolist())
-        n_score.extend(score[order].tolist())
-        n_lp.extend(np.broadcast_to(logp[lvl], cand_tok.shape).ravel()[order].tolist())
-        n_ng.extend(p_ng.ravel()[order].tolist())
+        sel_score = score[order]
+        n_score.extend(sel_score.tolist())
+        n_lp.extend(logp[lvl][col].tolist())
+        n_ng.extend(p_ng[parent_row, col].tolist())
         n_lvl.extend([lvl] * order.size)
-        keep = ~is_eos[order]  # EOS paths are finished: not expanded
+        keep = ~eos_l[col]  # EOS paths are finished: not expanded
         beam_idx = new_ids[keep]
-        beam_score = score[order][keep]
-        beam_ctx = np.stack([beam_ctx[parent_row[keep], 1], cand_tok.ravel()[order][keep]], axis=1)
+        beam_score = sel_score[keep]
+        beam_ctx = np.stack([beam_ctx[parent_row[keep], 1], sel_tok[keep]], axis=1)
 
     # best max_nodes over all levels, parents first (score desc, then depth asc, then creation order)
     score = np.asarray(n_score)

@@ -138,28 +138,35 @@ def dart_loss(head: DartHead, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfi
     A = min(cfg.anchors_per_seq, cand.numel())
     anchors = cand[torch.randperm(cand.numel(), generator=gen)[:A]].sort().values
     pos, amask = dart_block_layout(T, anchors, m)
-    logits, _ = head(ex["aux"][None, :n].to(device, head.fc.weight.dtype), ids[None, 1:], pos.to(device),
-                     n_masks=A * m, attn_mask=amask.to(device), return_all=True)
-    logits = logits[0]
+    hidden, _ = head(ex["aux"][None, :n].to(device, head.fc.weight.dtype), ids[None, 1:], pos.to(device),
+                     n_masks=A * m, attn_mask=amask.to(device), return_all=True, return_hidden=True)
+    hidden = hidden[0]
+    anchors_d = anchors.to(device)
     terms, stats = [], {"level_kl": {}}
     rows0 = torch.nonzero(valid0).flatten()
-    kl0 = _kl(q[rows0 + 1], logits[rows0])
+    logits0 = head.lm_head(hidden[rows0])  # lm_head only where a loss is taken
+    kl0 = _kl(q[rows0 + 1], logits0)
     terms.append(kl0.mean())
     stats["level_kl"][0] = kl0.mean()
-    correct = [(logits[anchors.to(device)].argmax(-1) == q[anchors.to(device) + 1].argmax(-1))]
+    if return_stats:
+        pick = torch.searchsorted(rows0, anchors_d)  # anchors are a subset of rows0
+        correct = [logits0[pick].argmax(-1) == q[anchors_d + 1].argmax(-1)]
     for j in range(1, m + 1):
         tgt = anchors + 1 + j  # q index; predicted token x_{tgt+1}
-        ok = (tgt + 1 < T)
+        ok = tgt + 1 < T
         ok[ok.clone()] = lmask[(tgt + 1)[ok].to(device)].cpu()
         rows = n + torch.arange(A) * m + (j - 1)
-        if ok.any():
-            kl = _kl(q[tgt[ok].to(device)], logits[rows[ok].to(device)])
-            terms.append((cfg.gamma ** j) * kl.mean())
-            stats["level_kl"][j] = kl.mean()
         c = torch.zeros(A, dtype=torch.bool, device=device)
         if ok.any():
-            c[ok.to(device)] = logits[rows[ok].to(device)].argmax(-1) == q[tgt[ok].to(device)].argmax(-1)
-        correct.append(c & ok.to(device))
+            lj = head.lm_head(hidden[rows[ok].to(device)])
+            qj = q[tgt[ok].to(device)]
+            kl = _kl(qj, lj)
+            terms.append((cfg.gamma ** j) * kl.mean())
+            stats["level_kl"][j] = kl.mean()
+            if return_stats:
+                c[ok.to(device)] = lj.argmax(-1) == qj.argmax(-1)
+        if return_stats:
+            correct.append(c)
     loss = sum(terms)
     if return_stats:
         stats["correct"] = torch.stack(correct, 1).cpu()  # (A, m+1) top-1 agreement per level
@@ -201,17 +208,16 @@ def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainC
         vs.append(kv[1])
         h = hidden + attn
         h = h + lay.mlp(lay.post_attention_layernorm(h))
-        logits = head.lm_head(head.norm(h))[0]
         tgt = torch.arange(n, device=device) + 1 + s
         ok = (tgt + 1 < T) & inb
         ok = ok & lmask[(tgt + 1).clamp_max(T - 1)]
-        if ok.any():
-            qq = q[tgt[ok]]
-            ce = -(qq * torch.log_softmax(logits[ok].float(), -1)).sum(-1)
-            terms.append((cfg.ttt_decay ** s) * ce.mean())
         c = torch.zeros(n, dtype=torch.bool, device=device)
         if ok.any():
-            c[ok] = logits[ok].argmax(-1) == q[tgt[ok]].argmax(-1)
+            logits = head.lm_head(head.norm(h[0, ok]))  # lm_head only where a loss is taken
+            qq = q[tgt[ok]]
+            ce = -(qq * torch.log_softmax(logits.float(), -1)).sum(-1)
+            terms.append((cfg.ttt_decay ** s) * ce.mean())
+            c[ok] = logits.argmax(-1) == qq.argmax(-1)
         correct.append(c & ok)
         hidden = h
     if not terms:

@@ -1,0 +1,93 @@
+"""Bench: JSON schema, resume after interruption, bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dart_lab import DartLabError
+from dart_lab import bench as bench_mod
+from dart_lab.bench import BenchConfig, run_bench
+from dart_lab.data import load_prompts
+from dart_lab.methods import MethodOptions
+
+OPTS = MethodOptions(random_heads=True, ngram_max_tokens=100_000, tree_nodes=16)
+
+
+def test_bench_json_schema_and_resume(embedded, tmp_path, monkeypatch):
+    cfg = BenchConfig(methods=("ar", "dart", "pld", "hf"), dataset="mt_bench", num_prompts=2, max_new_tokens=12,
+                      warmup=1, model="smollm2-135m", device="cpu", dtype="fp32", options=OPTS)
+    out = tmp_path / "b.json"
+    real = bench_mod._run_one
+    calls = {"n": 0}
+
+    def flaky(method, *a, **k):  # interrupt during the second prompt (after warm-up: 4 calls)
+        calls["n"] += 1
+        if calls["n"] > 4 + 4 + 1:
+            raise KeyboardInterrupt
+        return real(method, *a, **k)
+
+    monkeypatch.setattr(bench_mod, "_run_one", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg, out, target=embedded, progress=False)
+    partial = out.with_name(out.name + ".partial.jsonl")
+    first = [json.loads(line)["row"] for line in partial.read_text().splitlines()]
+    assert {r["method"] for r in first} == {"ar", "dart", "pld", "hf"} and not out.exists()
+    monkeypatch.setattr(bench_mod, "_run_one", real)
+    res = run_bench(cfg, out, target=embedded, progress=False)
+    assert out.exists() and not partial.exists()
+    saved = json.loads(out.read_text())
+    assert saved["config"]["methods"] == ["ar", "dart", "pld", "hf"]
+    assert {"platform", "torch", "transformers", "device", "dtype"} <= set(saved["machine"])
+    for m in ("ar", "dart", "pld", "hf"):
+        d = saved["methods"][m]
+        for k in ("tokens_per_s", "tau", "speedup_vs_ar", "draft_ms", "search_ms", "verify_ms", "match_ar",
+                  "n_prompts", "new_tokens"):
+            assert k in d, (m, k)
+        assert d["match_ar"] == 1.0 and d["n_prompts"] == 2
+    assert saved["methods"]["ar"]["tau"] == 1.0 and saved["methods"]["hf"]["tau"] is None
+    # the first prompt's rows were reused, not recomputed
+    p0 = load_prompts("mt_bench", 1)[0]["id"]
+    reused = [r for r in saved["per_prompt"] if r["prompt_id"] == p0]
+    assert sorted(json.dumps(r, sort_keys=True) for r in reused) == sorted(json.dumps(r, sort_keys=True) for r in first)
+    assert res["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+
+
+def test_datasets_load():
+    for name in ("mt_bench", "humaneval"):
+        rows = load_prompts(name, 3)
+        assert len(rows) == 3 and all(r["prompt"].strip() for r in rows)
+
+
+def test_shared_datasets_load():
+    from dart_lab.assets import data_dir
+
+    if data_dir(required=False) is None:
+        pytest.skip("shared data folder (DART_LAB_DATA or ../shared/data) is absent")
+    for name in ("gsm8k", "code_alpaca", "alpaca"):
+        assert len(load_prompts(name, 5)) == 5
+
+
+def test_jsonl_formats(tmp_path):
+    p = tmp_path / "q.jsonl"
+    p.write_text('{"question_id": 1, "category": "x", "turns": ["first", "second"]}\n{"prompt": "plain"}\n')
+    rows = load_prompts(f"jsonl:{p}")
+    assert [r["prompt"] for r in rows] == ["first", "plain"]
+    p.write_text('{"nothing": 1}\n')
+    with pytest.raises(DartLabError, match="row 1"):
+        load_prompts(f"jsonl:{p}")
+
+
+def test_bad_bench_input(tmp_path):
+    with pytest.raises(DartLabError, match="unknown dataset"):
+        load_prompts("imagenet")
+    with pytest.raises(DartLabError, match="unknown method"):
+        BenchConfig(methods=("ar", "medusa"))
+    with pytest.raises(DartLabError, match="jsonl dataset not found"):
+        load_prompts(f"jsonl:{tmp_path}/missing.jsonl")
+    r = subprocess.run([sys.executable, "-m", "dart_lab", "bench", "--methods", "ar,nope", "--out", str(tmp_path / "x.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "unknown method 'nope'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "dart_lab", "bench", "--dataset", "nope", "--out", str(tmp_path / "x.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "unknown dataset 'nope'" in r.stderr
