@@ -231,3 +231,31 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     _atomic_write_json(out, result)
     partial.unlink(missing_ok=True)
     return result
+
+
+@torch.no_grad()
+def verify_latency(target, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5, prompt_len: int = 64) -> dict:
+    """Median wall time (ms) of one target verify over a chain-shaped tree of each size, after a
+    prompt of `prompt_len` tokens: the cost side of speculative decoding on this machine."""
+    import time
+
+    from .tree import Tree
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, min(target.vocab_size, 1000), (prompt_len,), generator=g)
+    out = {}
+    for n in sizes:
+        ts = []
+        for _ in range(repeats + 1):
+            target.prefill(prompt)
+            tree = Tree(torch.randint(3, 1000, (n,), generator=g), torch.arange(-1, n - 1))
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            target.verify(tree)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t) * 1e3)
+            target.commit([0])
+        out[n] = statistics.median(ts[1:])
+    return out

@@ -55,9 +55,11 @@ def load_head(target, kind: str, path: str, random_heads: bool):
     from .draft_head import DartHead
     from .eagle3 import Eagle3Head
 
+    from .assets import resolve_hub
+
     cls = DartHead if kind == "dart" else Eagle3Head
     if path:
-        return cls.load(path, target=target)
+        return cls.load(resolve_hub(path), target=target)
     shipped = shipped_head(target, kind)
     if shipped is not None:
         return cls.load(shipped, target=target)
@@ -68,12 +70,14 @@ def load_head(target, kind: str, path: str, random_heads: bool):
 
 
 def load_ngram_for(target, spec: str, max_tokens: int = 0):
+    from .assets import resolve_hub
     from .ngram import NGram, build_ngram
 
     if spec.endswith((".npz", ".trie")):
-        if not Path(spec).is_file():
+        path = resolve_hub(spec) if spec.startswith("hub:") else Path(spec)
+        if not path.is_file():
             raise DartLabError(f"n-gram file not found: {spec}")
-        return NGram.load(spec, vocab_size=target.vocab_size)
+        return NGram.load(path, vocab_size=target.vocab_size)
     if target.tokenizer is None:
         raise DartLabError("building an n-gram table needs the target's tokenizer")
     return build_ngram(target.tokenizer, spec, max_tokens=max_tokens or None)

@@ -1,0 +1,163 @@
+"""Regenerating the paper's tables for a preset (used by reproduce/run_all.ipynb through papermill).
+
+Every benchmark cell (dataset x temperature) is one `run_bench` call whose JSON is cached under
+results_dir/bench/ by the hash of its full config, so a rerun computes only what is missing.
+Tables are written as CSV + Markdown, figures as plotly HTML; the paper's numbers (arXiv 2601.19278,
+reproduce/paper_tables.json) stand beside ours with the ratio ours / paper.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from .bench import BenchConfig, run_bench
+from .presets import get_preset
+
+PAPER_TABLES = Path(__file__).resolve().parent.parent / "reproduce" / "paper_tables.json"
+
+
+def paper_tables(path: str | Path | None = None) -> dict:
+    p = Path(path) if path else PAPER_TABLES
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def _short(ds: str) -> str:
+    return ds[4:] if ds.startswith("hub:") else ds
+
+
+def run_cells(preset: str, datasets, methods, num_prompts: int, max_new_tokens: int, temperatures, results_dir,
+              target=None, progress: bool = True, **option_overrides) -> list[dict]:
+    """Run (or load from cache) one bench per dataset x temperature. Returns the result dicts."""
+    pre = get_preset(preset)
+    out_dir = Path(results_dir) / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for ds in datasets:
+        for temp in temperatures:
+            ms = tuple(m for m in methods if not (temp > 0 and m in ("hf-pld",)))
+            cfg = BenchConfig(methods=ms, dataset=ds, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                              temperature=float(temp), model=pre.model, dtype=pre.dtype,
+                              options=pre.options(**option_overrides))
+            path = out_dir / f"{_short(ds)}_T{temp}_{cfg.key()}_{num_prompts}.json"
+            if path.is_file():
+                res = json.loads(path.read_text())
+            else:
+                if target is None:
+                    from .target import load_target
+
+                    target = load_target(pre.model, dtype=pre.dtype)
+                res = run_bench(cfg, path, target=target, progress=progress)
+            res["_file"] = str(path)
+            results.append(res)
+    return results
+
+
+def table1(results: list[dict], paper: dict, paper_model: str) -> list[dict]:
+    """Speedup and tau per dataset, method and temperature, with the paper's numbers for `paper_model`."""
+    rows = []
+    ref = {(r["model"], r["method"], r["temperature"]): r for r in paper.get("table1_speedup", [])}
+    for res in results:
+        ds, temp = _short(res["config"]["dataset"]), res["config"]["temperature"]
+        for m, d in res["methods"].items():
+            if m == "ar":
+                continue
+            p = ref.get((paper_model, m, temp))
+            ps = p["speedup"].get(ds) if p else None
+            rows.append({"dataset": ds, "temperature": temp, "method": m, "speedup": d.get("speedup_vs_ar"),
+                         "tau": d.get("tau"), "tokens_per_s": d["tokens_per_s"], "match_ar": d.get("match_ar"),
+                         "n_prompts": d["n_prompts"], "paper_model": paper_model if p else None,
+                         "paper_speedup": ps, "paper_mean_tau": p["mean_tau"] if p else None,
+                         "speedup_ratio_to_paper": (d.get("speedup_vs_ar") / ps) if (ps and d.get("speedup_vs_ar")) else None})
+    return rows
+
+
+def table2(results: list[dict], paper: dict) -> list[dict]:
+    """tau with and without the n-gram term (paper Table 2), T = 0 cells."""
+    ref = paper.get("table2_ngram_ablation_tau", {})
+    rows = []
+    for res in results:
+        if res["config"]["temperature"] != 0.0:
+            continue
+        m = res["methods"]
+        if "dart" in m and "dart-no-ngram" in m:
+            ds = _short(res["config"]["dataset"])
+            rows.append({"dataset": ds, "tau_without_ngram": m["dart-no-ngram"]["tau"], "tau_with_ngram": m["dart"]["tau"],
+                         "paper_without": ref.get("without_ngram", {}).get(ds), "paper_with": ref.get("with_ngram", {}).get(ds)})
+    return rows
+
+
+def table4(results_dir, paper: dict) -> list[dict]:
+    """gamma sweep from stored training runs (results_dir/gamma_sweep.json, written by the ablation
+    script); empty when that sweep has not been run."""
+    p = Path(results_dir) / "gamma_sweep.json"
+    ref = {r["gamma"]: r for r in paper.get("table4_gamma", {}).get("rows", [])}
+    if not p.is_file():
+        return []
+    rows = []
+    for r in json.loads(p.read_text())["rows"]:
+        pr = ref.get(r["gamma"], {})
+        rows.append({"gamma": r["gamma"], "alpha": r["alpha"], "tau_chain": r["tau_chain"],
+                     "paper_alpha": pr.get("alpha"), "paper_tau": pr.get("tau")})
+    return rows
+
+
+def figure1(results: list[dict]):
+    """tau vs drafting latency (draft + search ms per step) per method."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    pts = {}
+    for res in results:
+        for m, d in res["methods"].items():
+            if d.get("tau") is None or m == "ar":
+                continue
+            pts.setdefault(m, []).append(((d.get("draft_ms") or 0) + (d.get("search_ms") or 0), d["tau"],
+                                          _short(res["config"]["dataset"]) + f" T={res['config']['temperature']}"))
+    for m, p in pts.items():
+        fig.add_trace(go.Scatter(x=[a for a, _, _ in p], y=[b for _, b, _ in p], text=[c for _, _, c in p], mode="markers",
+                                 name=m, marker=dict(size=12)))
+    fig.update_layout(title="tau vs drafting latency per step", xaxis_title="draft + search ms per step",
+                      yaxis_title="tau (tokens per verify step)", template="plotly_white")
+    return fig
+
+
+def write_table(rows: list[dict], stem: Path) -> None:
+    """stem.csv and stem.md."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    if not rows:
+        stem.with_suffix(".md").write_text("(no rows: not run for this preset)\n")
+        return
+    cols = list(rows[0])
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return "-" if v is None else str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def summary_markdown(t1: list[dict], preset: str) -> str:
+    """Mean speedup / tau per method and temperature over datasets (the last columns of Table 1)."""
+    groups = {}
+    for r in t1:
+        groups.setdefault((r["method"], r["temperature"]), []).append(r)
+    lines = [f"Preset `{preset}`: mean over datasets", "", "| method | T | mean speedup | mean tau | paper mean tau |",
+             "|---|---|---|---|---|"]
+    for (m, t), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        sp = [r["speedup"] for r in rs if r["speedup"] is not None]
+        ta = [r["tau"] for r in rs if r["tau"] is not None]
+        mean_sp = f"{sum(sp) / len(sp):.2f}" if sp else "-"
+        mean_ta = f"{sum(ta) / len(ta):.2f}" if ta else "-"
+        pt = rs[0]["paper_mean_tau"]
+        lines.append(f"| {m} | {t} | {mean_sp} | {mean_ta} | {'-' if pt is None else pt} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,119 @@
+"""Interactive pictures for the notebooks: draft trees (networkx layout drawn with plotly), the tree
+attention mask, and benchmark plots. Needs the `viz` extra (plotly, networkx, ipywidgets)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .search import SearchNodes
+
+
+def _label(tokenizer, tok: int) -> str:
+    if tokenizer is None:
+        return str(tok)
+    s = tokenizer.decode([tok])
+    return repr(s)[1:-1] or "∅"
+
+
+def tree_graph(nodes: SearchNodes, tokenizer=None):
+    """networkx DiGraph of a searched tree; node attributes: token, text, depth, score, draft_logp, ngram_p."""
+    import networkx as nx
+
+    t = nodes.tree
+    g = nx.DiGraph()
+    toks, par, dep = t.tokens.tolist(), t.parents.tolist(), t.depths.tolist()
+    sc = t.scores.tolist() if t.scores is not None else [0.0] * len(t)
+    for i in range(len(t)):
+        g.add_node(i, token=toks[i], text=_label(tokenizer, toks[i]), depth=dep[i], score=sc[i],
+                   draft_logp=float(nodes.draft_logp[i]), ngram_p=float(nodes.ngram_p[i]))
+        if par[i] >= 0:
+            g.add_edge(par[i], i)
+    return g
+
+
+def _layered_positions(g) -> dict:
+    """x = depth; y = leaf-order so that subtrees stay together (a tidy tree layout)."""
+    import networkx as nx
+
+    order = list(nx.dfs_preorder_nodes(g, 0))
+    leaves = [n for n in order if g.out_degree(n) == 0]
+    y = {n: float(i) for i, n in enumerate(leaves)}
+    for n in reversed(order):  # parents centred over their children
+        kids = list(g.successors(n))
+        if kids:
+            y[n] = float(np.mean([y[k] for k in kids]))
+    return {n: (g.nodes[n]["depth"], -y[n]) for n in g}
+
+
+def tree_figure(nodes: SearchNodes, tokenizer=None, accepted: list[int] | None = None, title: str = "draft tree"):
+    """Plotly figure of the draft tree: nodes coloured by score, hover = token, draft log-prob, n-gram
+    prob and score; the accepted path (node indices from the root) drawn in red."""
+    import plotly.graph_objects as go
+
+    g = tree_graph(nodes, tokenizer)
+    pos = _layered_positions(g)
+    acc_edges = set(zip(accepted[:-1], accepted[1:])) if accepted else set()
+    ex, ey, ax, ay = [], [], [], []
+    for u, v in g.edges:
+        xs, ys = (ax, ay) if (u, v) in acc_edges else (ex, ey)
+        xs += [pos[u][0], pos[v][0], None]
+        ys += [pos[u][1], pos[v][1], None]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="#bbbbbb", width=1), hoverinfo="skip",
+                             name="tree edges"))
+    if ax:
+        fig.add_trace(go.Scatter(x=ax, y=ay, mode="lines", line=dict(color="crimson", width=4), hoverinfo="skip",
+                                 name="accepted path"))
+    n = list(g.nodes)
+    hover = []
+    for i in n:
+        d = g.nodes[i]
+        ng = "-" if math.isnan(d["ngram_p"]) else f"{d['ngram_p']:.3g}"
+        hover.append(f"node {i} | depth {d['depth']}<br>token {d['token']} {d['text']!r}<br>"
+                     f"draft log p {d['draft_logp']:.3f}<br>n-gram p {ng}<br>score {d['score']:.3f}")
+    fig.add_trace(go.Scatter(
+        x=[pos[i][0] for i in n], y=[pos[i][1] for i in n], mode="markers+text",
+        text=[g.nodes[i]["text"] for i in n], textposition="middle right", hovertext=hover, hoverinfo="text",
+        marker=dict(size=[16 if accepted and i in accepted else 11 for i in n],
+                    color=[g.nodes[i]["score"] for i in n], colorscale="Viridis", showscale=True,
+                    colorbar=dict(title="score"), line=dict(color=["crimson" if accepted and i in accepted else "white"
+                                                                   for i in n], width=2)),
+        name="nodes"))
+    fig.update_layout(title=title, xaxis=dict(title="depth", dtick=1), yaxis=dict(visible=False),
+                      height=max(400, 14 * sum(1 for i in n if g.out_degree(i) == 0)), template="plotly_white",
+                      legend=dict(orientation="h"))
+    return fig
+
+
+def mask_heatmap(tree, title: str = "tree attention mask (row attends to column)"):
+    import plotly.graph_objects as go
+
+    m = tree.ancestor_mask().int().numpy()
+    fig = go.Figure(go.Heatmap(z=m, colorscale=[[0, "white"], [1, "#3060c0"]], showscale=False,
+                               hovertemplate="query %{y} -> key %{x}: %{z}<extra></extra>"))
+    fig.update_layout(title=title, yaxis=dict(autorange="reversed", title="query node"), xaxis=dict(title="key node"),
+                      height=500, width=520, template="plotly_white")
+    return fig
+
+
+def bench_figures(result: dict) -> dict:
+    """tau, speedup and accepted-length histograms from a `dart-lab bench` result dict."""
+    import plotly.graph_objects as go
+
+    methods = [m for m in result["methods"] if result["methods"][m].get("tau") is not None]
+    figs = {}
+    figs["speedup"] = go.Figure(go.Bar(x=list(result["methods"]), y=[result["methods"][m].get("speedup_vs_ar") or 0
+                                                                       for m in result["methods"]]))
+    figs["speedup"].update_layout(title="speedup vs AR (tokens/s ratio)", template="plotly_white")
+    figs["tau"] = go.Figure(go.Bar(x=methods, y=[result["methods"][m]["tau"] for m in methods]))
+    figs["tau"].update_layout(title="tau: tokens per verify step", template="plotly_white")
+    h = go.Figure()
+    for m in methods:
+        hist = result["methods"][m]["accept_len_hist"]
+        tot = sum(hist.values()) or 1
+        h.add_trace(go.Bar(x=[int(k) for k in hist], y=[v / tot for v in hist.values()], name=m))
+    h.update_layout(title="accepted draft length per step", barmode="group", xaxis_title="accept_len",
+                    yaxis_title="fraction of steps", template="plotly_white")
+    figs["accept_len"] = h
+    return figs
