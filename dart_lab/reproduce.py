@@ -26,10 +26,11 @@ def _short(ds: str) -> str:
     return ds[4:] if ds.startswith("hub:") else ds
 
 
-def run_cells(preset: str, datasets, methods, num_prompts: int, max_new_tokens: int, temperatures, results_dir,
+def run_cells(preset, datasets, methods, num_prompts: int, max_new_tokens: int, temperatures, results_dir,
               target=None, progress: bool = True, **option_overrides) -> list[dict]:
-    """Run (or load from cache) one bench per dataset x temperature. Returns the result dicts."""
-    pre = get_preset(preset)
+    """Run (or load from cache) one bench per dataset x temperature. Returns the result dicts.
+    preset: a name from presets.PRESETS or a Preset (tests use local stand-ins)."""
+    pre = get_preset(preset) if isinstance(preset, str) else preset
     out_dir = Path(results_dir) / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []

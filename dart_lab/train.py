@@ -257,6 +257,19 @@ def _atomic_torch_save(obj, path: Path) -> None:
             os.remove(tmp)
 
 
+class _Objective(torch.nn.Module):
+    """head + loss function as one module (only the head's parameters are registered)."""
+
+    def __init__(self, head, loss_fn, emb, lm_head_w, d2t_ids, cfg, device):
+        super().__init__()
+        self.head = head
+        object.__setattr__(self, "_ctx", (loss_fn, emb, lm_head_w, d2t_ids, cfg, device))
+
+    def forward(self, ex, gen):
+        loss_fn, emb, w, d2t, cfg, device = self._ctx
+        return loss_fn(self.head, ex, emb, w, d2t, cfg, gen, device)
+
+
 def build_head(target, cfg: TrainConfig, d2t_ids: torch.Tensor):
     hcfg = HeadConfig.for_target(target.model.config, draft_vocab_size=d2t_ids.numel(), draft_length=cfg.draft_length)
     torch.manual_seed(cfg.seed)
@@ -330,11 +343,11 @@ def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConf
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.999),
                             weight_decay=cfg.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, cfg.max_steps)
-    head, opt = acc.prepare(head, opt)
-    raw = acc.unwrap_model(head)
-    raw.attach_embedding(emb)
+    raw = head
     loss_fn = dart_loss if cfg.kind == "dart" else eagle3_loss
-
+    # the objective is a module so that, under `accelerate launch`, the forward that builds the loss
+    # runs through the DDP wrapper (gradient sync); on one process it is a thin shell
+    objective, opt = acc.prepare(_Objective(raw, loss_fn, emb, lm_head_w, d2t_dev, cfg, device), opt)
     step, elapsed, tokens_seen = 0, 0.0, 0
     ckpt = out / "ckpt.pt"
     if ckpt.is_file():
@@ -355,7 +368,7 @@ def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConf
 
         bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.kind}", unit="step")
     t_start = time.perf_counter() - elapsed
-    head.train()
+    raw.train()
     last_val = {}
     steps_here = 0
     while step < cfg.max_steps:
@@ -375,7 +388,7 @@ def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConf
             for b in range(cfg.seqs_per_step):
                 idx = perm[(k + b * world + rank) % N].item()
                 ex = train[idx]
-                r = loss_fn(head if world == 1 else raw, ex, emb, lm_head_w, d2t_dev, cfg, g, device)
+                r = objective(ex, g)
                 if r is None:
                     continue
                 acc.backward(r[0] / cfg.seqs_per_step)
@@ -383,7 +396,7 @@ def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConf
                 used += 1
                 tokens_seen += int(ex["input_ids"].numel())
         if cfg.grad_clip:
-            acc.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+            acc.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

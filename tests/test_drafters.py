@@ -49,10 +49,10 @@ def test_sampling_runs_for_every_method():
 
 
 def test_embedded_methods_match_ar(embedded):
-    cfg = GenerationConfig(max_new_tokens=24)
-    opts = MethodOptions(random_heads=True, ngram_max_tokens=200_000, tree_nodes=24)
+    cfg = GenerationConfig(max_new_tokens=16)
+    opts = MethodOptions(random_heads=True, ngram_max_tokens=100_000, tree_nodes=24)
     cache = {}
-    for prompt in ("Write a Python function that adds two numbers.", "Name three rivers in Europe."):
+    for prompt in ("Write a Python function that adds two numbers.",):
         ids = embedded.encode_prompt(prompt)
         ar = generate(embedded, ids, None, cfg)
         for name in ("dart", "dart-no-ngram", "eagle3", "pld"):

@@ -1,0 +1,66 @@
+"""The reproduction path: paper presets' code paths with tiny local stand-ins, and a papermill smoke
+run of reproduce/run_all.ipynb followed by reading its stored results."""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from dart_lab import reproduce as rp
+from dart_lab.ngram import write_trie
+from dart_lab.presets import PRESETS, Preset, get_preset
+from test_drafters import write_official_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_presets_are_complete():
+    for name, p in PRESETS.items():
+        assert p.model and p.datasets
+        if name.startswith("paper-"):
+            assert p.dart_head.startswith("fvliang/") and p.eagle3_head.startswith("AngelSlim/")
+            assert p.ngram == "hub:fvliang/dart-qwen3-ngram/full.trie" and "mt_bench" in p.datasets
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("paper-llama-70b")
+
+
+def test_paper_preset_path_with_local_stand_ins(embedded, tmp_path):
+    """Official-layout DART + EAGLE-3 checkpoints and an official .trie, all local and tiny, through
+    the same run_cells/table code the paper presets use."""
+    H, V = embedded.hidden_size, embedded.vocab_size
+    write_official_checkpoint(tmp_path / "dart", H=H, V=V, Vd=64, heads=9, kv=3, inter=256, draft_length=3)
+    write_official_checkpoint(tmp_path / "e3", H=H, V=V, Vd=64, heads=9, kv=3, inter=256, eagle=True)
+    ids = embedded.tokenizer("The quick brown fox jumps over the lazy dog. " * 5).input_ids
+    write_trie(tmp_path / "tiny.trie", [ids])
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Name a colour."]}) + "\n")
+    pre = Preset(name="stand-in", model="smollm2-135m", dart_head=str(tmp_path / "dart"),
+                 eagle3_head=str(tmp_path / "e3"), ngram=str(tmp_path / "tiny.trie"),
+                 datasets=(f"jsonl:{tmp_path / 'q.jsonl'}",), paper_model="qwen3-4b", dtype="fp32")
+    res = rp.run_cells(pre, pre.datasets, ["ar", "dart", "eagle3"], 1, 8, [0.0], tmp_path / "out", target=embedded,
+                       progress=False)
+    t1 = rp.table1(res, rp.paper_tables(), pre.paper_model)
+    dart = next(r for r in t1 if r["method"] == "dart")
+    paper_row = next(r for r in rp.paper_tables()["table1_speedup"]
+                     if (r["model"], r["method"], r["temperature"]) == ("qwen3-4b", "dart", 0.0))
+    assert dart["match_ar"] == 1.0 and dart["paper_model"] == "qwen3-4b"
+    assert dart["paper_mean_tau"] == paper_row["mean_tau"]
+    # cached: a second call loads the stored cell instead of recomputing
+    again = rp.run_cells(pre, pre.datasets, ["ar", "dart", "eagle3"], 1, 8, [0.0], tmp_path / "out", target=None,
+                         progress=False)
+    assert again[0]["per_prompt"] == res[0]["per_prompt"]
+
+
+def test_papermill_smoke_run_and_its_results(tmp_path):
+    papermill = pytest.importorskip("papermill")
+    papermill.execute_notebook(str(ROOT / "reproduce" / "run_all.ipynb"), str(tmp_path / "out.ipynb"),
+                               parameters={"smoke": True, "results_dir": str(tmp_path / "results")},
+                               cwd=str(ROOT / "reproduce"), progress_bar=False, kernel_name="python3")
+    out = tmp_path / "results" / "embedded-smoke"
+    rows = list(csv.DictReader(open(out / "table1.csv")))
+    assert {r["method"] for r in rows} >= {"dart", "dart-no-ngram"}
+    greedy = [r for r in rows if float(r["temperature"]) == 0.0]
+    assert greedy and all(float(r["match_ar"]) == 1.0 for r in greedy)  # lossless in the reproduction too
+    assert all(float(r["speedup"]) > 0 and float(r["tau"]) >= 1.0 for r in rows)
+    t2 = list(csv.DictReader(open(out / "table2.csv")))
+    assert t2 and t2[0]["dataset"] == "mt_bench"
+    assert (out / "figure1.html").stat().st_size > 1000 and "mean speedup" in (out / "summary.md").read_text()
