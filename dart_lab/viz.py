@@ -117,3 +117,11 @@ def bench_figures(result: dict) -> dict:
                     yaxis_title="fraction of steps", template="plotly_white")
     figs["accept_len"] = h
     return figs
+
+
+def setup_notebook() -> None:
+    """Render plotly figures both as the JupyterLab mimetype and as self-contained HTML, so they also
+    show in notebooks exported with nbconvert (offline: plotly.js is inlined once)."""
+    import plotly.io as pio
+
+    pio.renderers.default = "plotly_mimetype+notebook"

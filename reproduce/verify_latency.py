@@ -1,0 +1,26 @@
+"""Target verify latency vs tree size, per dtype, on this machine (the cost side of speculation).
+
+    .venv/bin/python reproduce/verify_latency.py [--dtypes fp32,bf16] [--repeats 7]
+"""
+import argparse
+import json
+
+from dart_lab import load_target
+from dart_lab.bench import verify_latency
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--model", default="smollm2-135m")
+    args = ap.parse_args()
+    out = {}
+    for dt in args.dtypes.split(","):
+        t = load_target(args.model, dtype=dt)
+        out[dt] = {n: round(ms, 1) for n, ms in verify_latency(t, (1, 2, 4, 8, 16, 32, 48, 64), args.repeats).items()}
+        print(json.dumps({dt: out[dt]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
