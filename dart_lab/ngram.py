@@ -277,8 +277,8 @@ def build_ngram(tokenizer, source: str = "sharegpt", max_tokens: int | None = No
         flush()
     if not seqs:
         raise DartLabError(f"n-gram corpus {source!r} is empty")
-    ng = NGram.from_sequences(seqs, len(tokenizer), meta={"source": source, "tokens": total,
-                                                          "tokenizer": getattr(tokenizer, "name_or_path", "")})
+    tok_name = Path(str(getattr(tokenizer, "name_or_path", ""))).name  # a name, not this machine's path
+    ng = NGram.from_sequences(seqs, len(tokenizer), meta={"source": source, "tokens": total, "tokenizer": tok_name})
     if cache:
         ng.save(path)
     return ng
