@@ -250,7 +250,9 @@ def build_ngram(tokenizer, source: str = "sharegpt", max_tokens: int | None = No
     path = cache_dir() / "ngram" / f"{corpus_key(name, source, max_tokens or 0)}.npz"
     if cache and path.is_file():
         try:
-            return NGram.load(path)
+            ng = NGram.load(path)
+            ng.meta["tokenizer"] = Path(str(ng.meta.get("tokenizer", ""))).name
+            return ng
         except DartLabError:
             pass  # corrupt cache: rebuild
     seqs, total, chunk = [], 0, []
