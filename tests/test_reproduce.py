@@ -64,3 +64,18 @@ def test_papermill_smoke_run_and_its_results(tmp_path):
     t2 = list(csv.DictReader(open(out / "table2.csv")))
     assert t2 and t2[0]["dataset"] == "mt_bench"
     assert (out / "figure1.html").stat().st_size > 1000 and "mean speedup" in (out / "summary.md").read_text()
+
+
+def test_table4_renders_a_stored_gamma_sweep(tmp_path):
+    """Table 4 reads results_dir/gamma_sweep.json (written by training ablations) and pairs each
+    gamma with the paper's row; without the file it is empty ("not run")."""
+    assert rp.table4(tmp_path, rp.paper_tables()) == []
+    sweep = {"rows": [{"gamma": 0.6, "alpha": [0.3, 0.2], "tau_chain": 1.5},
+                      {"gamma": 1.0, "alpha": [0.28, 0.19], "tau_chain": 1.45}]}
+    (tmp_path / "gamma_sweep.json").write_text(json.dumps(sweep))
+    rows = rp.table4(tmp_path, rp.paper_tables())
+    paper = {r["gamma"]: r for r in rp.paper_tables()["table4_gamma"]["rows"]}
+    assert [r["gamma"] for r in rows] == [0.6, 1.0]
+    assert rows[0]["paper_tau"] == paper[0.6]["tau"] and rows[1]["paper_alpha"] == paper[1.0]["alpha"]
+    rp.write_table(rows, tmp_path / "table4")
+    assert "0.600" in (tmp_path / "table4.md").read_text()
