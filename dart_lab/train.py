@@ -23,7 +23,6 @@ as an uninterrupted one.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
@@ -31,7 +30,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .draft_head import DartHead, HeadConfig
 from .eagle3 import Eagle3Head
@@ -190,7 +188,6 @@ def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainC
     eye = torch.eye(n, dtype=torch.bool, device=device)
     ks, vs = [], []
     terms, correct = [], []
-    valid_prev = torch.ones(n, dtype=torch.bool, device=device)
     for s in range(cfg.ttt_steps):
         # inputs at step s, position i: token x_{i+1+s}; predicts x_{i+2+s} -> q_{i+1+s}
         tok_idx = torch.arange(n, device=device) + 1 + s

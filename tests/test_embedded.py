@@ -3,7 +3,6 @@ import json
 import subprocess
 import sys
 
-import torch
 
 from dart_lab import GenerationConfig, generate, hf_generate, load_target
 from dart_lab.target import _cache_is_valid, build_plain_cache

@@ -3,7 +3,6 @@ import math
 from collections import Counter
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
