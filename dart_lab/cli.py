@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import DartLabError
@@ -66,11 +67,32 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--max-len", type=int, default=512)
     f.add_argument("--device", default="auto")
     f.add_argument("--dtype", default="auto")
+    f.add_argument("--conversations", default=None, help="train on a `dart-lab regenerate` folder instead of ShareGPT")
+    f.add_argument("--val-conversations", default=None, help="validation from a regenerate folder (from its start)")
+    f.add_argument("--max-turns", type=int, default=0, help="keep the first N user/assistant exchanges (0 = all)")
+
+    r = sub.add_parser("regenerate", help="rewrite ShareGPT answers with the target (training data)")
+    r.add_argument("--target", default="smollm2-135m")
+    r.add_argument("--out", required=True, help="folder of chunk_*.jsonl (resumable)")
+    r.add_argument("--num", type=int, required=True, help="conversations to regenerate")
+    r.add_argument("--skip", type=int, default=0, help="start at this ShareGPT record")
+    r.add_argument("--max-turns", type=int, default=1)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--batch-size", type=int, default=16)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default="auto")
+    r.add_argument("--dtype", default="auto")
 
     t = sub.add_parser("train", help="train a DART or EAGLE-3 head from a feature cache")
     t.add_argument("kind", help="dart | eagle3")
     t.add_argument("--target", default="smollm2-135m")
-    t.add_argument("--features", required=True)
+    t.add_argument("--features", default=None, help="feature cache folder (from `dart-lab features`)")
+    t.add_argument("--online", action="store_true", help="no cache: the target computes features in the loop")
+    t.add_argument("--num-train", type=int, default=3072, help="--online: training conversations")
+    t.add_argument("--num-val", type=int, default=64, help="--online: held-out conversations")
+    t.add_argument("--conversations", default=None, help="--online: a `dart-lab regenerate` folder")
+    t.add_argument("--max-turns", type=int, default=0, help="--online: first N exchanges only (0 = all)")
     t.add_argument("--out", required=True)
     t.add_argument("--max-steps", type=int, default=600)
     t.add_argument("--time-budget", type=float, default=0.0, help="minutes; stop early when reached")
@@ -82,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--anchors-per-seq", type=int, default=64)
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--val-every", type=int, default=100)
+    t.add_argument("--val-examples", type=int, default=16, help="held-out conversations for alpha / tau")
+    t.add_argument("--warmup-steps", type=int, default=30)
+    t.add_argument("--unshifted", action="store_true", help="DART: level 0 from the first mask (Table 3 ablation)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto")
     t.add_argument("--dtype", default="auto")
@@ -141,9 +166,24 @@ def cmd_features(args) -> int:
     from .target import load_target
 
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    extract_features(target, args.out, args.num_val, args.max_len, split="val", skip=args.val_skip)
-    extract_features(target, args.out, args.num_train, args.max_len, split="train")
+    extract_features(target, args.out, args.num_val, args.max_len, split="val",
+                     skip=0 if args.val_conversations else args.val_skip, conversations=args.val_conversations,
+                     max_turns=args.max_turns)
+    extract_features(target, args.out, args.num_train, args.max_len, split="train", conversations=args.conversations,
+                     max_turns=args.max_turns)
     print(f"features in {args.out}")
+    return 0
+
+
+def cmd_regenerate(args) -> int:
+    from .regenerate import regenerate
+    from .target import load_target
+
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    out = regenerate(target, args.out, args.num, skip=args.skip, max_turns=args.max_turns,
+                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
+                     seed=args.seed)
+    print(f"regenerated conversations in {out}")
     return 0
 
 
@@ -154,9 +194,23 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(kind=args.kind, max_steps=args.max_steps, time_budget_min=args.time_budget, gamma=args.gamma,
                       lr=args.lr, draft_vocab_size=args.draft_vocab_size, draft_length=args.draft_length,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
-                      save_every=args.save_every, val_every=args.val_every, seed=args.seed)
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
-    summary = train_head(target, args.features, args.out, cfg)
+                      save_every=args.save_every, val_every=args.val_every, seed=args.seed,
+                      val_examples=args.val_examples, warmup_steps=args.warmup_steps, shifted=not args.unshifted)
+    if bool(args.features) == args.online:
+        raise DartLabError("give either --features DIR or --online")
+    device = args.device
+    if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        device = str(PartialState().device)  # under `accelerate launch`: this process's own GPU (or the CPU)
+    target = load_target(args.target, device=device, dtype=args.dtype)
+    features = args.features
+    if args.online:
+        from .features import online_features
+
+        features = online_features(target, args.num_train, args.num_val, conversations=args.conversations,
+                                   max_turns=args.max_turns)
+    summary = train_head(target, features, args.out, cfg)
     print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "wall_time_s", "validation")}))
     return 0
 
@@ -187,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cmds = {"generate": cmd_generate, "bench": cmd_bench, "features": cmd_features, "train": cmd_train,
-                "build-ngram": cmd_build_ngram}
+                "build-ngram": cmd_build_ngram, "regenerate": cmd_regenerate}
         return cmds[args.command](args)
     except DartLabError as e:
         print(f"dart-lab: error: {e}", file=sys.stderr)

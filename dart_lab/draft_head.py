@@ -56,13 +56,20 @@ class HeadConfig:
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     final_norm_twice: bool = False
+    shifted: bool = True  # level 0 from the last prefix position (paper); False: from the first mask (Table 3)
+
+    @property
+    def n_masks(self) -> int:
+        """Mask tokens appended at inference: levels 0..draft_length need one more when unshifted."""
+        return self.draft_length + (0 if self.shifted else 1)
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def for_target(cls, model_config, draft_vocab_size: int | None = None, draft_length: int = 7) -> "HeadConfig":
+    def for_target(cls, model_config, draft_vocab_size: int | None = None, draft_length: int = 7,
+                   shifted: bool = True) -> "HeadConfig":
         """Widths copied from a HF target config."""
         c = model_config
         return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -72,7 +79,7 @@ class HeadConfig:
                    target_hidden_size=c.hidden_size, head_dim=getattr(c, "head_dim", None), draft_length=draft_length,
                    rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=_rope_theta(c),
                    max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
-                   hidden_act=getattr(c, "hidden_act", "silu"))
+                   hidden_act=getattr(c, "hidden_act", "silu"), shifted=shifted)
 
     def to_official_json(self, architecture: str = "LlamaForCausalLMDart") -> dict:
         """config.json in the official layout (LlamaForCausalLMDart / LlamaForCausalLMEagle3)."""
@@ -291,8 +298,9 @@ class DartHead(HeadBase):
         attn_mask: (n + m, P + n + m) bool, default causal (training passes its block mask).
         Returns logits (B, 1 + n_masks, Vd) for the last prefix position and the masks (or for every
         position if return_all; the final-normed hidden states instead if return_hidden), and the
-        (k, v) of the n prefix positions to append to the cache."""
-        m = self.cfg.draft_length if n_masks is None else n_masks
+        (k, v) of the n prefix positions to append to the cache. An unshifted head (Table 3 ablation)
+        returns the masks' rows only: (B, n_masks, Vd), level j from mask j+1."""
+        m = self.cfg.n_masks if n_masks is None else n_masks
         lay = self.midlayer
         B, n, _ = aux.shape
         g = self.fc(aux)  # (B, n, H)
@@ -307,7 +315,8 @@ class DartHead(HeadBase):
         attn, kv = lay.self_attn(x, positions, attn_mask, past_kv)
         h = resid + attn
         if not return_all:
-            h = h[:, n - 1:]  # last prefix position + masks (MLP only where logits are needed)
+            # last prefix position + masks (MLP only where logits are needed)
+            h = h[:, n - 1:] if self.cfg.shifted else h[:, n:]
         h = h + lay.mlp(lay.post_attention_layernorm(h))
         h = self.norm(h)
         if self.cfg.final_norm_twice:

@@ -52,7 +52,7 @@ class DartDrafter(Drafter):
         """(draft_length + 1, Vd) logits for levels 0..draft_length; feeds the pending prefix."""
         aux, nxt = self.pending
         dev = aux.device
-        n, m = aux.shape[0], self.head.cfg.draft_length
+        n, m = aux.shape[0], self.head.cfg.n_masks
         positions = torch.arange(self.n_cached, self.n_cached + n + m, device=dev)
         nxt = torch.as_tensor(nxt, dtype=torch.long, device=dev)
         logits, kv = self.head(aux[None].to(self.head.fc.weight.dtype), nxt[None], positions, past_kv=self.kv)

