@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="auto")
     t.add_argument("--dtype", default="auto")
 
+    e = sub.add_parser("eval-head", help="held-out alpha / acc / hit@10 / chain tau of a trained head")
+    e.add_argument("kind", help="dart | eagle3")
+    e.add_argument("--head", default="", help="head folder (default: the shipped head for the target)")
+    e.add_argument("--target", default="smollm2-135m")
+    e.add_argument("--features", required=True, help="feature folder (its val/ split is used)")
+    e.add_argument("--num", type=int, default=64)
+    e.add_argument("--device", default="auto")
+
     n = sub.add_parser("build-ngram", help="count 1/2/3-grams of a corpus with the target tokenizer")
     n.add_argument("--target", default="smollm2-135m")
     n.add_argument("--corpus", default="sharegpt", help="sharegpt | jsonl:PATH (a 'text' field per row)")
@@ -215,6 +223,21 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_eval_head(args) -> int:
+    import torch
+
+    from .methods import load_head
+    from .target import load_target
+    from .train import evaluate_head
+
+    if args.kind not in ("dart", "eagle3"):
+        raise DartLabError(f"unknown head kind {args.kind!r}: dart or eagle3")
+    target = load_target(args.target, device=args.device, dtype="fp32")
+    head = load_head(target, args.kind, args.head, random_heads=False).to(torch.float32)
+    print(json.dumps(evaluate_head(target, head, args.features, args.kind, args.num)))
+    return 0
+
+
 def cmd_build_ngram(args) -> int:
     from .ngram import build_ngram
     from .target import load_target
@@ -241,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cmds = {"generate": cmd_generate, "bench": cmd_bench, "features": cmd_features, "train": cmd_train,
-                "build-ngram": cmd_build_ngram, "regenerate": cmd_regenerate}
+                "build-ngram": cmd_build_ngram, "regenerate": cmd_regenerate,
+                "eval-head": cmd_eval_head}
         return cmds[args.command](args)
     except DartLabError as e:
         print(f"dart-lab: error: {e}", file=sys.stderr)

@@ -334,6 +334,19 @@ def evaluate(head, loss_fn, val: list[dict], emb, lm_head_w, d2t_ids, cfg, devic
     return out
 
 
+def evaluate_head(target, head, features, kind: str = "dart", num: int = 64, anchors_per_seq: int = 64) -> dict:
+    """Held-out alpha / acc / hit@10 / chain tau of a trained head (a `*Head.load(..., target=...)`) on
+    the first `num` examples of `features` (a feature folder's val/ split or any dataset), exactly as
+    training reports them."""
+    ds = FeatureDataset(Path(features) / "val") if isinstance(features, (str, Path)) else features
+    cfg = TrainConfig(kind=kind, draft_vocab_size=head.cfg.draft_vocab_size, draft_length=head.cfg.draft_length,
+                      shifted=head.cfg.shifted, anchors_per_seq=anchors_per_seq)
+    device = next(head.parameters()).device
+    val = [ds[i] for i in range(min(num, len(ds)))]
+    return evaluate(head, dart_loss if kind == "dart" else eagle3_loss, val, target.model.get_input_embeddings(),
+                    target.model.get_output_embeddings().weight.detach(), head.draft_to_target(), cfg, device)
+
+
 def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress: bool = True,
                log=print, _stop_after: int | None = None) -> dict | None:
     """Train a head on `features/train` (validation on `features/val`), write `out_dir/head` (official

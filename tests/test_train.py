@@ -206,6 +206,12 @@ def test_online_training_equals_training_from_an_fp32_cache(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert s1["validation"] == s2["validation"] and s2["features"].startswith("online")
+    # evaluating the final head afterwards reports what training reported
+    from dart_lab.train import evaluate_head
+
+    head = build_head(target, cfg, torch.arange(48))
+    head.load_state_dict(a)
+    assert evaluate_head(target, head, tmp_path / "c", "dart", num=2, anchors_per_seq=4) == s1["validation"]
 
 
 def test_two_process_accelerate_launch_equals_one_process(tiny_features, tmp_path):
