@@ -178,7 +178,8 @@ def dart_loss(head: DartHead, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfi
             kl = _kl(qj, lj)
             terms.append((cfg.gamma ** j) * kl.mean())
             stats["level_kl"][j] = kl.mean()
-            c[ok.to(device)], h[ok.to(device)] = _agree(lj.detach(), qj)
+            if return_stats:
+                c[ok.to(device)], h[ok.to(device)] = _agree(lj.detach(), qj)
         correct.append(c)
         hit.append(h)
         valid.append(ok.to(device))
@@ -233,7 +234,8 @@ def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainC
             qq = q[tgt[ok]]
             ce = -(qq * torch.log_softmax(logits.float(), -1)).sum(-1)
             terms.append((cfg.ttt_decay ** s) * ce.mean())
-            c[ok], hh[ok] = _agree(logits.detach(), qq)
+            if return_stats:
+                c[ok], hh[ok] = _agree(logits.detach(), qq)
         correct.append(c & ok)
         hit.append(hh & ok)
         valid.append(ok)
