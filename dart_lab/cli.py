@@ -187,6 +187,10 @@ def cmd_regenerate(args) -> int:
     from .regenerate import regenerate
     from .target import load_target
 
+    if args.num < 1:
+        raise DartLabError("--num must be >= 1 (conversations to regenerate)")
+    if args.max_turns < 1 or args.max_new_tokens < 1:
+        raise DartLabError("--max-turns and --max-new-tokens must be >= 1")
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     out = regenerate(target, args.out, args.num, skip=args.skip, max_turns=args.max_turns,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,

@@ -32,6 +32,20 @@ def test_cli_bad_input_is_one_line(args, needle):
     assert len(lines) == 1 and needle in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["regenerate", "--out", "x", "--num", "0"], "--num must be >= 1"),
+    (["train", "dart", "--out", "x"], "either --features DIR or --online"),
+    (["train", "dart", "--out", "x", "--features", "f", "--online"], "either --features DIR or --online"),
+    (["eval-head", "medusa", "--features", "f"], "unknown head kind"),
+])
+def test_cli_training_commands_reject_bad_input(args, needle, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dart_lab", *args], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.startswith("dart-lab: error:")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
 def test_library_errors():
     target = tiny_target("llama")
     with pytest.raises(DartLabError, match="prompt is empty"):
