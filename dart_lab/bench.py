@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 
 from .config import GenerationConfig
 from .data import load_prompts
+from .atomic import write_json
 from .errors import DartLabError
 from .methods import METHODS, MethodOptions, make_drafter
 
@@ -149,18 +149,6 @@ def aggregate(rows: list[dict], methods, greedy: bool) -> dict:
     return out
 
 
-def _atomic_write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = True) -> dict:
     """Run the benchmark described by `cfg`, write `out` (JSON) and return the result dict."""
     from .target import load_target
@@ -228,7 +216,7 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                              "speedup_vs_ar_median = median over prompts of the per-prompt ratio; "
                              "tau = emitted tokens / verify steps (bonus included)",
               "methods": aggregate(rows, order, greedy), "per_prompt": rows}
-    _atomic_write_json(out, result)
+    write_json(out, result)
     partial.unlink(missing_ok=True)
     return result
 

@@ -26,8 +26,6 @@ behaviour. Both paths are tested.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .atomic import atomic_dir
 from .errors import DartLabError
 
 
@@ -243,18 +242,12 @@ class HeadBase(nn.Module):
         from safetensors.torch import save_file
 
         out = Path(out_dir)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(sd, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(self.cfg.to_official_json(self.architecture), indent=1))
-        if extra_card:
-            (tmp / "README.md").write_text(extra_card)
-        if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with atomic_dir(out) as tmp:
+            sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            save_file(sd, str(tmp / "model.safetensors"))
+            (tmp / "config.json").write_text(json.dumps(self.cfg.to_official_json(self.architecture), indent=1))
+            if extra_card:
+                (tmp / "README.md").write_text(extra_card)
         return out
 
     @classmethod

@@ -12,12 +12,11 @@ extraction resumes at the first missing shard with the same data order.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_file
 from .data import iter_sharegpt
 from .errors import DartLabError
 
@@ -78,14 +77,8 @@ def sharegpt_examples(tokenizer, max_len: int = 512, limit: int | None = None, s
 def _save_shard(path: Path, tensors: dict, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         save_file(tensors, tmp, metadata={"json": json.dumps(meta)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 @torch.no_grad()

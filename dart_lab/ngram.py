@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_file
 from .errors import DartLabError
 
 
@@ -113,16 +112,10 @@ class NGram:
         """Atomic .npz write."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp.npz", dir=path.parent)
-        os.close(fd)
-        try:
+        with atomic_file(path, suffix=".tmp.npz") as tmp:  # .npz: numpy would append it otherwise
             np.savez(tmp, V=np.int64(self.V), uni_keys=self.uni_keys, uni_counts=self.uni_counts,
                      bi_keys=self.bi_keys, bi_counts=self.bi_counts, tri_keys=self.tri_keys,
                      tri_counts=self.tri_counts, meta=np.frombuffer(json.dumps(self.meta).encode(), np.uint8))
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
         return path
 
     @classmethod

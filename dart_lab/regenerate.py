@@ -15,12 +15,11 @@ Output rows are ShareGPT-shaped ({"id", "conversations": [{"from", "value"}]}), 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_file
 from .data import iter_sharegpt
 from .errors import DartLabError
 from .features import ROLE
@@ -58,15 +57,10 @@ def _generate_batch(target, histories: list[list[dict]], max_new_tokens: int, te
 
 
 def _write_jsonl(rows: list[dict], path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with atomic_file(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def regenerate(target, out_dir: str | Path, num: int, skip: int = 0, max_turns: int = 1, max_new_tokens: int = 256,

@@ -19,9 +19,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -30,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .assets import EMBEDDED_FILES, cache_dir, embedded_file
+from .atomic import atomic_dir
 from .errors import DartLabError
 from .tree import Tree
 
@@ -143,9 +141,7 @@ def build_plain_cache(model, tokenizer, out: Path, source: str) -> Path:
     """
     from safetensors.torch import save_model
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
@@ -153,12 +149,6 @@ def build_plain_cache(model, tokenizer, out: Path, source: str) -> Path:
         tokenizer.save_pretrained(tmp)
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / "manifest.json").write_text(json.dumps({"format": _CACHE_FORMAT, "source": source, "files": files}, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

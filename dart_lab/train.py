@@ -23,14 +23,13 @@ as an uninterrupted one.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_file
 from .draft_head import DartHead, HeadConfig
 from .eagle3 import Eagle3Head
 from .errors import DartLabError
@@ -278,14 +277,8 @@ def acceptance_stats(correct_rows: list[torch.Tensor], hit_rows=None, valid_rows
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 class _Objective(torch.nn.Module):

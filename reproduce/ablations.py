@@ -15,19 +15,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from dart_lab.atomic import write_json
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _atomic_json(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -85,9 +78,9 @@ def main() -> int:
                           "hit10: target token in the draft's top 10; tau_chain: simulated greedy chain tau "
                           "(held-out ShareGPT conversations, teacher-forced prefix)"}
     sweep = {**how, "rows": [{"gamma": float(k.split("_")[1]), **row(k)} for k in jobs if k.startswith("gamma_")]}
-    _atomic_json(sweep, Path(args.results) / "gamma_sweep.json")
+    write_json(Path(args.results) / "gamma_sweep.json", sweep)
     shift = {**how, "rows": [{"variant": "shifted", **row("gamma_0.6")}, {"variant": "unshifted", **row("unshifted_0.6")}]}
-    _atomic_json(shift, Path(args.results) / "shift_ablation.json")
+    write_json(Path(args.results) / "shift_ablation.json", shift)
     for r in sweep["rows"]:
         print(f"gamma {r['gamma']}: acc {r['acc']} tau_chain {r['tau_chain']}")
     for r in shift["rows"]:

@@ -3,10 +3,10 @@
     python reproduce/collect_regen.py runs/regen
 """
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from dart_lab.atomic import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,11 +29,7 @@ def main(run_dir: str) -> int:
     out = {"command": "bash reproduce/regen_ablation.sh", "regeneration": meta,
            "validation_set": "64 held-out ShareGPT first turns (records 17000+) answered by the target (greedy)",
            "rows": rows}
-    dest = ROOT / "reproduce/results/embedded/regeneration.json"
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, dest)
+    write_json(ROOT / "reproduce/results/embedded/regeneration.json", out)
     for r in rows:
         v = r["validation"]
         print(r["data"], "acc", v.get("acc"), "tau_chain", v["tau_chain"],
