@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--val-every", type=int, default=100)
     t.add_argument("--val-examples", type=int, default=16, help="held-out conversations for alpha / tau")
     t.add_argument("--warmup-steps", type=int, default=30)
+    t.add_argument("--init-from", default="", help="continue from a trained head folder (e.g. fine-tune)")
     t.add_argument("--unshifted", action="store_true", help="DART: level 0 from the first mask (Table 3 ablation)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto")
@@ -207,7 +208,8 @@ def cmd_train(args) -> int:
                       lr=args.lr, draft_vocab_size=args.draft_vocab_size, draft_length=args.draft_length,
                       seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
                       save_every=args.save_every, val_every=args.val_every, seed=args.seed,
-                      val_examples=args.val_examples, warmup_steps=args.warmup_steps, shifted=not args.unshifted)
+                      val_examples=args.val_examples, warmup_steps=args.warmup_steps, shifted=not args.unshifted,
+                      init_from=args.init_from)
     if bool(args.features) == args.online:
         raise DartLabError("give either --features DIR or --online")
     device = args.device

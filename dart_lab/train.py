@@ -59,6 +59,7 @@ class TrainConfig:
     val_examples: int = 16
     autocast: bool = True
     init_from_target: bool = True
+    init_from: str = ""  # a trained head folder to continue from (its draft vocabulary is kept)
 
     def __post_init__(self):
         if self.kind not in ("dart", "eagle3"):
@@ -369,7 +370,15 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
     if ex0["aux"].shape[-1] != 3 * target.hidden_size:
         raise DartLabError(f"features have aux width {ex0['aux'].shape[-1]}, the target needs {3 * target.hidden_size}")
     vocab_path = out / "draft_vocab.pt"
-    if vocab_path.is_file():
+    init = None
+    if cfg.init_from:
+        init = (DartHead if cfg.kind == "dart" else Eagle3Head).load(cfg.init_from, target=target, device="cpu",
+                                                                     dtype=torch.float32)
+        if (init.cfg.draft_length, init.cfg.shifted) != (cfg.draft_length, cfg.shifted):
+            raise DartLabError(f"{cfg.init_from} has draft_length {init.cfg.draft_length} / shifted {init.cfg.shifted}; "
+                               f"the run asks for {cfg.draft_length} / {cfg.shifted}")
+        d2t_ids = init.draft_to_target().cpu()
+    elif vocab_path.is_file():
         d2t_ids = torch.load(vocab_path)
     else:
         eos = sorted(target.eos_ids)
@@ -380,7 +389,10 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
     use_bf16 = cfg.autocast and (target.device.type == "cuda" or target.dtype == torch.bfloat16)
     acc = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=target.device.type == "cpu")
     device = acc.device
-    head = build_head(target, cfg, d2t_ids).to(device)
+    head = build_head(target, cfg, d2t_ids)
+    if init is not None:
+        head.load_state_dict(init.state_dict())
+    head = head.to(device)
     emb = target.model.get_input_embeddings()
     lm_head_w = target.model.get_output_embeddings().weight.detach()
     d2t_dev = d2t_ids.to(device)

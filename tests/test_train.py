@@ -123,6 +123,14 @@ def test_smoke_run_lowers_loss_and_resume_equals_uninterrupted(tiny_features, tm
     b = torch.load(tmp_path / "resumed" / "ckpt.pt", weights_only=False)["head"]
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # --init-from continues from the exported head (bf16 on disk): with a negligible lr it stays there
+    import dataclasses
+
+    ft = dataclasses.replace(cfg, init_from=str(tmp_path / "full" / "head"), max_steps=2, lr=1e-12, warmup_steps=1)
+    train_head(target, root, tmp_path / "ft", ft, progress=False, log=lambda *a: None)
+    c = torch.load(tmp_path / "ft" / "ckpt.pt", weights_only=False)["head"]
+    for k in a:
+        torch.testing.assert_close(c[k].float(), a[k].to(torch.bfloat16).float(), rtol=0, atol=1e-6, msg=k)
 
 
 def test_vocab_round_trip():
