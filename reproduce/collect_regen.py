@@ -25,11 +25,30 @@ def main(run_dir: str) -> int:
             row[f"bench_{ds}"] = {"tau": round(d["tau"], 3), "speedup_vs_ar": round(d["speedup_vs_ar"], 3),
                                   "n_prompts": d["n_prompts"], "new_tokens": d["new_tokens"]}
         rows.append(row)
+    def bench(name):
+        out = {}
+        for b in sorted(R.glob(f"bench_{name}_*.json")):
+            d = json.loads(b.read_text())["methods"]["dart"]
+            out[b.stem.split(f"bench_{name}_")[1]] = {"tau": round(d["tau"], 3), "speedup_vs_ar": round(d["speedup_vs_ar"], 3)}
+        return out
+
+    finetune = []
+    for h, what in (("shipped", "shipped DART head (ShareGPT answers, 1800 steps)"),
+                    ("ft", "the same head fine-tuned 300 steps on the regenerated set")):
+        if not (R / f"eval_{h}_on_regen_val.json").is_file():
+            continue
+        finetune.append({"head": h, "what": what,
+                         "eval_target_written_val": json.loads((R / f"eval_{h}_on_regen_val.json").read_text()),
+                         "eval_sharegpt_val": json.loads((R / f"eval_{h}_on_sharegpt_val.json").read_text()),
+                         "bench": bench(h)})
     meta = json.loads((R / "train_conv" / "meta.json").read_text())
     out = {"command": "bash reproduce/regen_ablation.sh", "regeneration": meta,
            "validation_set": "64 held-out ShareGPT first turns (records 17000+) answered by the target (greedy)",
-           "rows": rows}
+           "rows": rows, "finetune_shipped": finetune}
     write_json(ROOT / "reproduce/results/embedded/regeneration.json", out)
+    for f in finetune:
+        print(f["head"], "tau_chain target-written", f["eval_target_written_val"]["tau_chain"], "sharegpt",
+              f["eval_sharegpt_val"]["tau_chain"], {k: v["tau"] for k, v in f["bench"].items()})
     for r in rows:
         v = r["validation"]
         print(r["data"], "acc", v.get("acc"), "tau_chain", v["tau_chain"],

@@ -23,4 +23,6 @@ cp -r "$RUNS/dart/head" dart_lab/heads/smollm2-135m/dart
 cp -r "$RUNS/eagle3/head" dart_lab/heads/smollm2-135m/eagle3
 cp "$RUNS/dart/summary.json" dart_lab/heads/smollm2-135m/dart/training_summary.json
 cp "$RUNS/eagle3/summary.json" dart_lab/heads/smollm2-135m/eagle3/training_summary.json
+# 4. model cards: held-out evaluation (+ the regeneration measurement, if reproduce/regen_ablation.sh ran)
+$BIN/python reproduce/update_cards.py --features "$RUNS/features"
 echo "heads shipped in dart_lab/heads/smollm2-135m"
