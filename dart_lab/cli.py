@@ -214,9 +214,11 @@ def cmd_train(args) -> int:
         raise DartLabError("give either --features DIR or --online")
     device = args.device
     if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from accelerate import PartialState
+        import torch
 
-        device = str(PartialState().device)  # under `accelerate launch`: this process's own GPU (or the CPU)
+        # under `accelerate launch` each process drives its own GPU (LOCAL_RANK); CPU processes share the CPU
+        if torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     target = load_target(args.target, device=device, dtype=args.dtype)
     features = args.features
     if args.online:

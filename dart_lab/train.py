@@ -23,6 +23,7 @@ as an uninterrupted one.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -355,7 +356,7 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f".write_test.{os.getpid()}"  # one per process: ranks probe the same folder
         probe.write_text("x")
         probe.unlink()
     except OSError as e:
@@ -443,7 +444,7 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
         epoch, k = divmod(step * cfg.seqs_per_step * world, N)
         perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        total, used = 0.0, 0
+        total, used, step_tokens = 0.0, 0, 0
         with acc.autocast():
             for b in range(cfg.seqs_per_step):
                 idx = perm[(k + b * world + rank) % N].item()
@@ -454,7 +455,10 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
                 acc.backward(r[0] / cfg.seqs_per_step)
                 total += r[0].item()
                 used += 1
-                tokens_seen += int(ex["input_ids"].numel())
+                step_tokens += int(ex["input_ids"].numel())
+        if world > 1:  # every process's sequences count
+            step_tokens = int(acc.reduce(torch.tensor(step_tokens, device=device), reduction="sum").item())
+        tokens_seen += step_tokens
         if cfg.grad_clip:
             acc.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
         opt.step()
@@ -485,7 +489,7 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
                "wall_time_s": round(time.perf_counter() - t_start, 1), "train_examples": N,
                "features": "feature cache" if isinstance(features, (str, Path)) else "online (target in the loop)",
                "val_examples": len(val), "validation": last_val, "target": target.name,
-               "device": str(device), "torch_threads": torch.get_num_threads()}
+               "device": str(device), "torch_threads": torch.get_num_threads(), "processes": world}
     if acc.is_main_process:
         _atomic_torch_save({"config": asdict(cfg), "head": raw.state_dict(), "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": step, "elapsed": time.perf_counter() - t_start,

@@ -248,8 +248,34 @@ def test_two_process_accelerate_launch_equals_one_process(tiny_features, tmp_pat
     assert a["step"] == b["step"] == 6
     for k in a["head"]:
         torch.testing.assert_close(a["head"][k], b["head"][k], rtol=1e-4, atol=1e-5, msg=k)
+    assert b["tokens_seen"] == a["tokens_seen"]  # both processes' sequences are counted
     # and the two processes really split the data: one process with one sequence per step differs
     r = subprocess.run([sys.executable, str(worker), str(root), str(tmp_path / "half"), "1"], capture_output=True,
                        text=True, timeout=600, env=env)
     c = torch.load(tmp_path / "half" / "ckpt.pt", weights_only=False)
     assert not torch.allclose(a["head"]["fc.weight"], c["head"]["fc.weight"], rtol=1e-4, atol=1e-5)
+
+
+def test_cli_train_under_accelerate_launch_runs_two_processes(tiny_features, embedded, tmp_path):
+    """`accelerate launch ... -m dart_lab train` is really distributed: 2 processes, one log line per step."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import tiny_model
+    from dart_lab.target import build_plain_cache
+
+    _, root = tiny_features
+    model_dir = build_plain_cache(tiny_model("llama"), embedded.tokenizer, tmp_path / "tiny", source="test")
+    acc = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    r = subprocess.run([acc, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+                        "no", "--dynamo_backend", "no", "--main_process_port", "29519", "-m", "dart_lab", "train", "dart",
+                        "--target", str(model_dir), "--dtype", "fp32", "--features", str(root), "--out",
+                        str(tmp_path / "run"), "--max-steps", "3", "--draft-vocab-size", "64", "--draft-length", "3",
+                        "--val-examples", "2"], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 3
+    assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 3
