@@ -56,6 +56,15 @@ def render_conversation(tokenizer, turns: list[dict], max_len: int) -> tuple[lis
     return (ids, mask) if sum(mask) >= 8 else None
 
 
+def _regenerated(conversations: str | Path | None):
+    """Records of a `dart-lab regenerate` folder, or None (= ShareGPT itself)."""
+    if conversations is None:
+        return None
+    from .regenerate import iter_regenerated  # regenerate imports this module
+
+    return iter_regenerated(conversations)
+
+
 def sharegpt_examples(tokenizer, max_len: int = 512, limit: int | None = None, skip: int = 0, records=None,
                       max_turns: int = 0):
     """Yield (conversation id, ids, mask) for complete ShareGPT conversations, in file order (or from
@@ -143,13 +152,8 @@ def extract_features(target, out_dir: str | Path, num_examples: int, max_len: in
     regenerated ones in `conversations` (a `dart-lab regenerate` folder)."""
     if target.tokenizer is None:
         raise DartLabError("feature extraction needs the target's tokenizer")
-    records = None
-    if conversations is not None:
-        from .regenerate import iter_regenerated
-
-        records = iter_regenerated(conversations)
-    examples = sharegpt_examples(target.tokenizer, max_len, limit=num_examples, skip=skip, records=records,
-                                 max_turns=max_turns)
+    examples = sharegpt_examples(target.tokenizer, max_len, limit=num_examples, skip=skip,
+                                 records=_regenerated(conversations), max_turns=max_turns)
     return write_features(target, examples, out_dir, num_examples, split, shard_size, dtype, progress)
 
 
@@ -215,11 +219,7 @@ def online_features(target, num_train: int, num_val: int = 64, max_len: int = 51
     """{"train", "val"} OnlineFeatures over the same conversations `extract_features` would store."""
     if target.tokenizer is None:
         raise DartLabError("online training needs the target's tokenizer")
-    records = None
-    if conversations is not None:
-        from .regenerate import iter_regenerated
-
-        records = iter_regenerated(conversations)
-    train = sharegpt_examples(target.tokenizer, max_len, limit=num_train, records=records, max_turns=max_turns)
+    train = sharegpt_examples(target.tokenizer, max_len, limit=num_train, records=_regenerated(conversations),
+                              max_turns=max_turns)
     val = sharegpt_examples(target.tokenizer, max_len, limit=num_val, skip=val_skip, max_turns=max_turns)
     return {"train": OnlineFeatures(target, train), "val": OnlineFeatures(target, val) if num_val else None}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_file
+from .atomic import atomic_file, write_json
 from .data import iter_sharegpt
 from .errors import DartLabError
 from .features import ROLE
@@ -82,7 +82,8 @@ def regenerate(target, out_dir: str | Path, num: int, skip: int = 0, max_turns: 
     mp = out / "meta.json"
     if mp.is_file() and json.loads(mp.read_text()) != meta:
         raise DartLabError(f"{out} holds a regeneration with other settings; use a new folder")
-    mp.write_text(json.dumps(meta, indent=1))
+    write_json(mp, meta)
+
     def tok_len(text: str) -> int:
         return len(target.tokenizer(text)["input_ids"])
 

