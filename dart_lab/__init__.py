@@ -6,6 +6,6 @@ from .target import Target, load_target
 from .tree import Tree
 from .verify import accept, greedy_accept, sample_accept, target_probs
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["GenerationConfig", "DartLabError", "Drafter", "GenerationResult", "generate", "hf_generate", "Target",
            "load_target", "Tree", "accept", "greedy_accept", "sample_accept", "target_probs"]

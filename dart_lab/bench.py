@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import __version__
 from .config import GenerationConfig
 from .data import load_prompts
 from .atomic import write_json
@@ -70,6 +71,7 @@ class BenchConfig:
         """Identifies rows that can be reused on resume (num_prompts excluded: a larger run reuses them)."""
         d = asdict(self)
         d.pop("num_prompts")
+        d["dart_lab"] = __version__  # a new version may draft differently (e.g. the faithful search of 0.2)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num", type=int, default=64)
     e.add_argument("--device", default="auto")
 
+    x = sub.add_parser("export-head", help="write a head for the released engines (adds the target's embed_tokens)")
+    x.add_argument("kind", help="dart | eagle3")
+    x.add_argument("--head", default="", help="head folder (default: the shipped head for the target)")
+    x.add_argument("--target", default="smollm2-135m")
+    x.add_argument("--out", required=True, help="output folder (written atomically)")
+
     n = sub.add_parser("build-ngram", help="count 1/2/3-grams of a corpus with the target tokenizer")
     n.add_argument("--target", default="smollm2-135m")
     n.add_argument("--corpus", default="sharegpt", help="sharegpt | jsonl:PATH (a 'text' field per row)")
@@ -246,6 +252,23 @@ def cmd_eval_head(args) -> int:
     return 0
 
 
+def cmd_export_head(args) -> int:
+    from pathlib import Path
+
+    from .methods import load_head, shipped_head
+    from .target import load_target
+
+    if args.kind not in ("dart", "eagle3"):
+        raise DartLabError(f"unknown head kind {args.kind!r}: dart or eagle3")
+    target = load_target(args.target, device="cpu", dtype="fp32")
+    head = load_head(target, args.kind, args.head, random_heads=False)
+    src = Path(args.head) if args.head else shipped_head(target, args.kind)
+    card = (src / "README.md").read_text() if src and (src / "README.md").is_file() else None
+    out = head.save(args.out, extra_card=card, with_embedding=True)
+    print(f"exported {args.kind} head to {out} (final norm twice: {head.cfg.final_norm_twice})")
+    return 0
+
+
 def cmd_build_ngram(args) -> int:
     from .ngram import build_ngram
     from .target import load_target
@@ -273,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cmds = {"generate": cmd_generate, "bench": cmd_bench, "features": cmd_features, "train": cmd_train,
                 "build-ngram": cmd_build_ngram, "regenerate": cmd_regenerate,
-                "eval-head": cmd_eval_head}
+                "eval-head": cmd_eval_head, "export-head": cmd_export_head}
         return cmds[args.command](args)
     except DartLabError as e:
         print(f"dart-lab: error: {e}", file=sys.stderr)

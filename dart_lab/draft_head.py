@@ -15,13 +15,16 @@ recomputed every round.
 
 State-dict keys and config.json fields follow the official release (fvliang/qwen*-dart):
 fc, midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, hidden_norm, input_layernorm,
-post_attention_layernorm, mask_rep}, norm, lm_head, d2t, t2d (+ embed_tokens, ignored: we share the
-target's frozen embedding).
+post_attention_layernorm, mask_rep}, norm, lm_head, d2t, t2d, embed_tokens. `save` leaves out
+embed_tokens (we share the target's frozen embedding; the shipped heads stay small);
+`save(..., with_embedding=True)` (`dart-lab export-head`) writes it, because the released loaders
+load with strict=False and would otherwise draft with a random embedding, silently.
 
 Final norm: the released inference code applies `norm` twice (end of forward and again in
-compute_logits). Our heads are trained and run with ONE norm (`final_norm_twice=False`); checkpoints
-loaded from the official layout default to `final_norm_twice=True` to reproduce the released
-behaviour. Both paths are tested.
+compute_logits) and has no switch. New heads are trained and run the same way
+(`final_norm_twice=True`, the default), so a head exported by dart_lab drafts identically in the
+released engine. `final_norm_twice=False` loads heads trained with one norm (the heads shipped
+before the fidelity fix record it in their config.json; their model card says which).
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ class HeadConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
-    final_norm_twice: bool = False
+    final_norm_twice: bool = True  # the released forward (NOTES.md "Draft head"); False for older heads
     shifted: bool = True  # level 0 from the last prefix position (paper); False: from the first mask (Table 3)
 
     @property
@@ -85,7 +88,7 @@ class HeadConfig:
         d = asdict(self)
         d.update(architectures=[architecture], model_type="llama", head_dim=self.hd,
                  target_hidden_size=self.target_hidden_size or self.hidden_size, tie_word_embeddings=False,
-                 pretraining_tp=1)
+                 pretraining_tp=1, num_hidden_layers=1, bias=False)  # bias: the released EAGLE loader defaults to True
         return d
 
     @classmethod
@@ -237,13 +240,18 @@ class HeadBase(nn.Module):
         object.__setattr__(self, "embed_tokens", embedding)  # not registered: stays out of state_dict()
 
     # -- checkpoints (official layout)
-    def save(self, out_dir: str | Path, extra_card: str | None = None) -> Path:
-        """Atomically write model.safetensors + config.json (official layout)."""
+    def save(self, out_dir: str | Path, extra_card: str | None = None, with_embedding: bool = False) -> Path:
+        """Atomically write model.safetensors + config.json (official layout). with_embedding: also
+        write the attached target embedding as `embed_tokens.weight` (what the released loaders need)."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)
+        if with_embedding and self.embed_tokens is None:
+            raise DartLabError("export needs the target's embedding: load the head with its target")
         with atomic_dir(out) as tmp:
             sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            if with_embedding:
+                sd["embed_tokens.weight"] = self.embed_tokens.weight.detach().to(self.fc.weight.dtype).contiguous().cpu()
             save_file(sd, str(tmp / "model.safetensors"))
             (tmp / "config.json").write_text(json.dumps(self.cfg.to_official_json(self.architecture), indent=1))
             if extra_card:

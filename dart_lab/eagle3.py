@@ -5,10 +5,14 @@ norm, lm_head over the draft vocabulary; state-dict layout of released heads suc
 AngelSlim/Qwen3-*_eagle3), but drafting is autoregressive: step j feeds the head its own output
 hidden state of step j-1 together with the embedding of the token chosen at step j-1.
 
-Dynamic tree (EAGLE-2 section 4): expand the `topk` best frontier nodes by cumulative log-prob at
-each of `depth` steps (all frontier nodes in ONE head forward, with tree attention inside the
-draft), then keep the `total_tokens` best nodes over all depths (ancestor-closed: cumulative
-log-probs only decrease along a path; ties broken parents-first as in search.py).
+Dynamic tree (EAGLE-2 section 4), counted as the released builder counts (NOTES.md "EAGLE-3
+baseline"): one head forward from the root gives its `topk` children; then `depth` more forwards,
+each expanding the `topk` best frontier nodes by cumulative log-prob (all frontier nodes in ONE
+head forward, with tree attention inside the draft) -> trees reach depth `depth` + 1. Every
+candidate enters the final selection; the tree keeps the best `total_tokens` - 1 of them (the
+released `total_token` counts the root). Selection is `tree.best_closed_tree`: ancestor-closed
+also on exact score ties, where the released builder (closure check commented out) can attach a
+node to a parent it did not keep -- the one documented difference.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 
 from .draft_head import HeadBase
 from .generate import Drafter
-from .tree import Tree
+from .tree import best_closed_tree
 
 
 class Eagle3Head(HeadBase):
@@ -45,10 +49,12 @@ class Eagle3Head(HeadBase):
 
 @dataclass(frozen=True)
 class Eagle3TreeConfig:
-    """EAGLE-3 demo settings used by the DART paper: total_token 60, depth 7, top_k 10."""
+    """EAGLE-3 demo settings used by the DART paper: total_token 60, depth 7, top_k 10, meaning
+    what they mean in the released code: 60 nodes including the root (59 drafted), depth 7
+    forwards after the root's (trees up to depth 8)."""
 
-    total_tokens: int = 60
-    depth: int = 7
+    total_tokens: int = 60  # tree nodes including the root
+    depth: int = 7  # head forwards after the first one
     topk: int = 10
 
 
@@ -98,7 +104,7 @@ class Eagle3Drafter(Drafter):
         frontier = list(range(1, cfg.topk + 1))
         parent_hidden = {i: h[0, -1] for i in frontier}  # hidden that produced node i's distribution
         tree_k, tree_v, processed = [], [], []  # K/V of draft-tree nodes already run through the head
-        for d in range(1, cfg.depth):
+        for d in range(1, cfg.depth + 1):
             F = len(frontier)
             hid = torch.stack([parent_hidden[i] for i in frontier])[None]
             tk = torch.tensor([tokens[i] for i in frontier], device=dev)[None]
@@ -136,25 +142,9 @@ class Eagle3Drafter(Drafter):
             order = np.argsort(-np.asarray(cand_score), kind="stable")[: cfg.topk]
             frontier = [new_ids[o] for o in order]
 
-        # keep the best total_tokens nodes, parents first
-        sc = np.asarray(scores[1:])
-        dp = np.asarray(depth[1:])
-        order = np.lexsort((np.arange(sc.size), dp, -sc)) + 1
-        taken = {0}
-        chosen = []
-        for i in order:
-            if len(chosen) >= cfg.total_tokens:
-                break
-            if parents[i] in taken:
-                taken.add(int(i))
-                chosen.append(int(i))
-        rank = {i: r for r, i in enumerate(chosen)}
-        chosen.sort(key=lambda i: (depth[i], rank[i]))
-        pos_of = {i: j + 1 for j, i in enumerate(chosen)}
-        pos_of[0] = 0
-        tree = Tree(torch.tensor([tokens[0]] + [tokens[i] for i in chosen]),
-                    torch.tensor([-1] + [pos_of[parents[i]] for i in chosen]),
-                    scores=torch.tensor([0.0] + [scores[i] for i in chosen]))
+        # keep the best total_tokens - 1 candidates (the root is the released count's first node)
+        tree, _ = best_closed_tree(tokens[0], np.asarray(tokens[1:]), np.asarray(parents[1:]) - 1,
+                                   np.asarray(scores[1:]), np.asarray(depth[1:]), cfg.total_tokens - 1)
         self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0}
         return tree
 

@@ -1,8 +1,11 @@
 """Order-3 n-gram model for n-gram-enforced continuity in the tree search (paper section 3.2).
 
-p(t | a, b) = count(a, b, t) / count(a, b)   if the context (a, b) was seen,
-            = count(b, t) / count(b)         else if b was seen (back-off to the shorter context),
+p(t | a, b) = count(a, b, t) / count(a, b)   if the trigram (a, b, t) was seen,
+            = count(b, t) / count(b)         else if the bigram (b, t) was seen,
             = 0                              otherwise (no smoothing; the search adds 1e-10).
+Back-off is decided PER TOKEN, as the released `TrieNgram.get_probability` does (NOTES.md "Tree
+search"): an unseen trigram of a seen context (a, b) backs off to the bigram; it does not get 0.
+When the context has one token only (a = -1), the bigram estimate is used.
 
 Counts are stored as sorted int64 keys (a*V + b)*V + t with uint32 counts, so a batch of lookups is
 two `np.searchsorted` calls: fast enough to score 20 x 25 candidates per level in microseconds.
@@ -81,7 +84,7 @@ class NGram:
 
     def prob(self, ctx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """ctx (B, 2) int64 last two tokens (-1 where absent, e.g. at the start); tokens (B, K).
-        Returns p(tokens | ctx) (B, K) float64 with back-off as in the module docstring.
+        Returns p(tokens | ctx) (B, K) float64 with per-token back-off (module docstring).
         Two binary searches per call: bigram table (context counts and back-off counts together),
         then trigram table."""
         V = np.int64(self.V)
@@ -94,13 +97,14 @@ class NGram:
         q_bi = np.concatenate([np.maximum(a, 0) * V + b0, (b0[:, None] * V + t).ravel()])
         cnt = self._count(self.bi_keys, self.bi_counts, q_bi)
         c_ab = np.where((a >= 0) & (b >= 0), cnt[:B], 0.0)  # count(a, b)
-        c_bt = cnt[B:].reshape(B, K)  # count(b, t)
-        tri_rows = c_ab > 0
-        out = np.where((c_b > 0)[:, None], c_bt / np.maximum(c_b, 1.0)[:, None], 0.0)
-        if tri_rows.any():
-            q = ((a[tri_rows] * V + b[tri_rows])[:, None] * V + t[tri_rows]).ravel()
-            c_abt = self._count(self.tri_keys, self.tri_counts, q).reshape(-1, K)
-            out[tri_rows] = c_abt / c_ab[tri_rows][:, None]
+        c_bt = np.where((b >= 0)[:, None], cnt[B:].reshape(B, K), 0.0)  # count(b, t)
+        out = np.where(c_bt > 0, c_bt / np.maximum(c_b, 1.0)[:, None], 0.0)  # bigram estimate
+        # a seen trigram (a, b, t) needs a seen context (a, b) and a seen bigram (b, t): look up only those
+        r, k = np.nonzero((c_ab > 0)[:, None] & (c_bt > 0))
+        if r.size:
+            c_abt = self._count(self.tri_keys, self.tri_counts, (a[r] * V + b[r]) * V + t[r, k])
+            seen = c_abt > 0
+            out[r[seen], k[seen]] = c_abt[seen] / c_ab[r[seen]]  # the trigram wins where it was seen
         return out
 
     @property

@@ -1,21 +1,29 @@
-"""N-gram-guided tree search over parallel draft logits (paper section 3.2, Algorithm 1).
+"""N-gram-guided tree search over parallel draft logits (paper section 3.2, Algorithm 1), as the
+released implementation runs it (fvliang/DART: `tree_search.py` + its C++ `Searcher`; NOTES.md
+"Tree search"). Golden vectors computed by the released code are matched in tests/test_conformance.py.
 
 The draft head gives, in one forward, a distribution for each future level l = 0..D-1, independent
-of which tokens are chosen at earlier levels. The search turns these per-level distributions into a
-tree of likely continuations:
+of which tokens are chosen at earlier levels. The search turns them into a tree:
 
-    level l: top-k (25) tokens of the level-l logits, log p = log softmax over those k only
-    score(child) = score(parent) + w_level(l) * (w_logit(l) * log(p + eps) + w_ng * log(p_ngram + eps))
-        w_logit(l) = 0.9**l,  w_level(l) = (l+1)**-0.7,  w_ng = 0.5,  no n-gram term at level 0
-        p_ngram = 3-gram probability of the token after the last two tokens of (context + path)
-    beam: the 20 best partial paths survive each level (paths ending in EOS ranked after all others
-        and never expanded); each survivor is expanded with the same k tokens of the next level
-    tree: the best `max_nodes` (60) beam survivors over all levels, taken in order of
-        (score desc, depth asc). Scores never increase along a path, so a parent always precedes
-        its children in that order; a node is only taken once its parent is, which makes the tree
-        ancestor-closed even with ties.
+    level l: the top-k (25) tokens of the level-l logits; p = float32 softmax over those k only
+    score(child) = score(parent) + w_level(l) * (w_logit(l) * log(p + 1e-10) + w_ng * log(p_ngram + 1e-10))
+        w_logit(l) = 0.9**l,  w_level(l) = (l+1)**-0.7,  w_ng = 0.5,  no n-gram term at level 0,
+        float32 arithmetic in this order (as the released C++);
+        p_ngram = 3-gram probability (per-token back-off, ngram.py) of the token after the last two
+        tokens of (context + path)
+    candidates: EVERY expansion of the current beam (beam paths x k tokens: 25 at level 0, up to
+        500 after) joins one global candidate list
+    beam: the 20 best candidates of the level form the next beam; paths ending in EOS rank after
+        all others and are never expanded (they stay candidates, so an EOS leaf can be drafted)
+    tree: the best `max_nodes` (60) candidates of the global list by score. A candidate that missed
+        the beam can still be a leaf, so trees come out wider and shallower than "the best beam
+        survivors".
 
-Deterministic: ties are broken by candidate index (stable sorts).
+Tie-breaking (the released code uses an unstable std::sort, so its ties are unspecified): both the
+beam cut and the final cut order by (score desc, depth asc, candidate index asc), where candidate
+index = beam rank of the parent x k + top-k rank of the token. Scores never increase along a path,
+so that order puts parents first, and the final cut also checks ancestor closure explicitly
+(`tree.best_closed_tree`).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .tree import Tree
+from .tree import Tree, best_closed_tree
 
 
 @dataclass(frozen=True)
@@ -51,86 +59,72 @@ class SearchNodes:
     level: np.ndarray
 
 
-def topk_levels(logits: torch.Tensor, k: int, draft_to_target: torch.Tensor | None = None):
-    """logits (D, Vd) -> (log p (D, k) float64 over the top-k, target ids (D, k) int64)."""
+def topk_levels(logits: torch.Tensor, k: int, draft_to_target: torch.Tensor | None = None, eps: float = 1e-10):
+    """logits (D, Vd) -> (log(p + eps) (D, k) float32, target ids (D, k) int64), where p is the
+    float32 softmax over the top-k logits of each level (the released preprocessing)."""
     vals, idx = torch.topk(logits.float(), k, dim=-1)
-    logp = torch.log_softmax(vals, dim=-1)
+    p = torch.softmax(vals, dim=-1)
     if draft_to_target is not None:
         idx = draft_to_target[idx]
-    return logp.cpu().numpy().astype(np.float64), idx.cpu().numpy().astype(np.int64)
+    p = p.cpu().numpy()
+    return np.log(p + np.float32(eps)), idx.cpu().numpy().astype(np.int64)
 
 
 def tree_search(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram, cfg: TreeSearchConfig,
                 eos_ids=frozenset(), return_nodes: bool = False):
-    """logp, tokens: (D, k) per-level top-k log-probs and target ids (see `topk_levels`).
-    context: the committed ids, the tree root last. ngram: an `NGram` or None.
-    Returns the Tree (root = context[-1]), or SearchNodes if return_nodes."""
+    """logp, tokens: (D, k) per-level log(p + eps) and target ids (see `topk_levels`).
+    context: the committed ids, the tree root last. ngram: an `NGram` or None (no n-gram term).
+    Returns the Tree (root = context[-1], at most cfg.max_nodes drafted nodes), or SearchNodes if
+    return_nodes."""
     D = logp.shape[0] if not cfg.max_depth else min(cfg.max_depth, logp.shape[0])
+    K = tokens.shape[1]
+    f32 = np.float32
+    logp = np.asarray(logp, dtype=f32)
     eos = np.array(sorted(eos_ids), dtype=np.int64)
     use_ng = ngram is not None and cfg.w_ngram != 0.0
+    w_ng, eps = f32(cfg.w_ngram), f32(cfg.eps)
     last2 = np.array([context[-2] if len(context) >= 2 else -1, context[-1]], dtype=np.int64)
 
-    # all kept nodes (beam survivors), flat lists; parent = index into these lists, -1 = root
-    n_tok, n_par, n_score, n_lp, n_ng, n_lvl = [], [], [], [], [], []
-    beam_idx = np.array([-1])  # node ids of the current beam (root only)
-    beam_score = np.zeros(1)
+    # the global candidate list, one block of B*K per level (candidate j of a level block = beam
+    # path j // K extended by top-k token j % K); parent = index into the list, -1 = root
+    c_par, c_score, c_ng, sizes = [], [], [], []
+    eos_tok = np.isin(tokens[:D], eos) if eos.size else np.zeros((D, K), bool)  # (D, K)
+    n_cand = 0
+    beam_idx = np.array([-1])  # candidate ids of the current beam (the root only)
+    beam_score = np.zeros(1, f32)
     beam_ctx = last2[None]  # (B, 2) last two tokens of context + path
-    K = tokens.shape[1]
     for lvl in range(D):
         B = beam_idx.size
         if B == 0:
             break
-        w_level = (lvl + 1) ** -cfg.level_exponent
-        w_logit = cfg.logit_decay ** lvl
+        w_level, w_logit = f32((lvl + 1) ** -cfg.level_exponent), f32(cfg.logit_decay ** lvl)
         tok_l = tokens[lvl]  # (K,) the same candidates for every beam path (parallel drafting)
-        inc = np.tile(w_logit * logp[lvl], (B, 1))
+        inc = logp[lvl] * w_logit  # (K,), broadcast over the beam below
         if use_ng and (lvl > 0 or cfg.ngram_at_level0):
-            p_ng = ngram.prob(beam_ctx, np.broadcast_to(tok_l, (B, K)))
-            inc += cfg.w_ngram * np.log(p_ng + cfg.eps)
+            p_ng = ngram.prob(beam_ctx, np.broadcast_to(tok_l, (B, K))).astype(f32)
+            inc = inc + np.log(p_ng + eps) * w_ng  # (B, K)
         else:
-            p_ng = np.full((B, K), np.nan)
-        score = (beam_score[:, None] + w_level * inc).ravel()
-        eos_l = np.isin(tok_l, eos) if eos.size else np.zeros(K, bool)
-        is_eos = np.tile(eos_l, B)
-        # EOS-ending paths rank after all others; stable sort keeps ties in candidate order
+            p_ng = np.full((B, K), np.nan, f32)
+        score = (beam_score[:, None] + w_level * inc).ravel()  # (B*K,) float32
+        c_par.append(np.repeat(beam_idx, K))
+        c_score.append(score)
+        c_ng.append(p_ng.ravel())
+        sizes.append(B * K)
+        # next beam: non-EOS first, then score desc, then candidate index (stable)
+        is_eos = np.broadcast_to(eos_tok[lvl], (B, K)).ravel()
         order = np.lexsort((-score, is_eos))[: cfg.beam_width]
-        parent_row, col = np.divmod(order, K)
-        sel_tok = tok_l[col]
-        new_ids = np.arange(len(n_tok), len(n_tok) + order.size)
-        n_tok.extend(sel_tok.tolist())
-        n_par.extend(beam_idx[parent_row].tolist())
-        sel_score = score[order]
-        n_score.extend(sel_score.tolist())
-        n_lp.extend(logp[lvl][col].tolist())
-        n_ng.extend(p_ng[parent_row, col].tolist())
-        n_lvl.extend([lvl] * order.size)
-        keep = ~eos_l[col]  # EOS paths are finished: not expanded
-        beam_idx = new_ids[keep]
-        beam_score = sel_score[keep]
-        beam_ctx = np.stack([beam_ctx[parent_row[keep], 1], sel_tok[keep]], axis=1)
+        order = order[~is_eos[order]]  # EOS paths are finished: never expanded
+        beam_idx = n_cand + order
+        beam_score = score[order]
+        beam_ctx = np.stack([beam_ctx[order // K, 1], tok_l[order % K]], axis=1)
+        n_cand += B * K
 
-    # best max_nodes over all levels, parents first (score desc, then depth asc, then creation order)
-    score = np.asarray(n_score)
-    lvl = np.asarray(n_lvl)
-    order = np.lexsort((np.arange(score.size), lvl, -score))
-    par = np.asarray(n_par)
-    taken = np.zeros(score.size, bool)
-    chosen = []
-    for i in order:
-        if len(chosen) >= cfg.max_nodes:
-            break
-        if par[i] == -1 or taken[par[i]]:
-            taken[i] = True
-            chosen.append(i)
-    # topological layout: by level, then by rank (best first), so children lists are best-first
-    rank = {int(i): r for r, i in enumerate(chosen)}
-    chosen.sort(key=lambda i: (lvl[i], rank[int(i)]))
-    pos = {int(i): j + 1 for j, i in enumerate(chosen)}
-    toks = [context[-1]] + [n_tok[i] for i in chosen]
-    parents = [-1] + [0 if par[i] == -1 else pos[int(par[i])] for i in chosen]
-    tree = Tree(torch.tensor(toks), torch.tensor(parents), scores=torch.tensor([0.0] + score[chosen].tolist()))
+    cat = np.concatenate
+    score = cat(c_score)
+    lvl = np.repeat(np.arange(len(sizes)), sizes)
+    col = (np.arange(score.size) - np.repeat(np.cumsum([0] + sizes[:-1]), sizes)) % K  # top-k rank of each
+    tree, chosen = best_closed_tree(context[-1], tokens[lvl, col], cat(c_par), score, lvl, cfg.max_nodes)
     if not return_nodes:
         return tree
-    idx = np.asarray(chosen, dtype=np.int64)
-    return SearchNodes(tree, np.concatenate([[0.0], np.asarray(n_lp)[idx]]),
-                       np.concatenate([[np.nan], np.asarray(n_ng)[idx]]), np.concatenate([[-1], lvl[idx]]))
+    return SearchNodes(tree, cat([[0.0], logp[lvl[chosen], col[chosen]]]), cat([[np.nan], cat(c_ng)[chosen]]),
+                       cat([[-1], lvl[chosen]]))

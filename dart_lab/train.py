@@ -502,6 +502,15 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
     return summary
 
 
+def _norm_note(head) -> str:
+    if getattr(head, "with_mask", False) is False:
+        return "applied once (the EAGLE-3 forward)"
+    if head.cfg.final_norm_twice:
+        return "applied twice, as the released DART engine does (drafts identically there)"
+    return ("applied once (`final_norm_twice: false` in config.json); the released DART engine applies it "
+            "twice, so it drafts differently there")
+
+
 def model_card(summary: dict, head) -> str:
     v = summary.get("validation", {})
     c = summary["config"]
@@ -511,6 +520,7 @@ def model_card(summary: dict, head) -> str:
             f"{summary['train_examples']} training conversations ({summary['features']})\n"
             f"- tokens seen: {summary['tokens_seen']}; steps: {summary['steps']}; wall time: "
             f"{summary['wall_time_s']} s on {summary['device']} ({summary['torch_threads']} threads)\n"
+            f"- final norm: {_norm_note(head)}\n"
             f"- draft vocabulary: {head.cfg.draft_vocab_size}; draft_length: {head.cfg.draft_length}; "
             f"gamma: {c['gamma']}; lr {c['lr']}; seqs/step {c['seqs_per_step']}\n"
             f"- validation ({summary['val_examples']} held-out conversations): alpha = {v.get('alpha')}, "

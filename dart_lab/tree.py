@@ -95,3 +95,48 @@ class Tree:
         """Every root-to-leaf path as node indices."""
         ch = self.children()
         return [self.path_to(i) for i in range(len(self)) if not ch[i]]
+
+
+def best_closed_tree(root: int, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, depths: np.ndarray,
+                     max_nodes: int) -> tuple["Tree", np.ndarray]:
+    """Keep the best `max_nodes` of M scored candidate nodes as an ancestor-closed tree.
+
+    tokens, parents, scores, depths: (M,) arrays of the candidates; parents[i] indexes the same arrays
+    (-1 = child of the root). Candidates are ranked by (score desc, depth asc, index asc) and a
+    candidate is kept only once its parent is: scores never increase along a path, so this equals
+    "the best max_nodes by score" and stays ancestor-closed on exact ties (where the released
+    EAGLE-3 builder can attach a node to a parent it did not keep). Used by the DART tree search and
+    the EAGLE-3 dynamic tree.
+    Returns the Tree (root first, then by depth, best first within a depth, so children lists are
+    best-first) and `chosen` (N-1,): the candidate index of tree node j+1."""
+    M = scores.size
+    if M > max_nodes > 0:  # only the candidates that can make the cut need a full sort
+        kth = np.partition(-scores, max_nodes - 1)[max_nodes - 1]
+        pool = np.flatnonzero(-scores <= kth)
+    else:
+        pool = np.arange(M)
+    taken = np.zeros(M, bool)
+    chosen: list[int] = []
+    while True:
+        order = pool[np.lexsort((pool, depths[pool], -scores[pool]))]
+        for i in order.tolist():
+            if len(chosen) >= max_nodes:
+                break
+            if not taken[i] and (parents[i] < 0 or taken[parents[i]]):
+                taken[i] = True
+                chosen.append(i)
+        if len(chosen) >= max_nodes or pool.size == M:
+            break
+        pool = np.arange(M)  # a closure skip left room: rank every candidate (exact ties only)
+    chosen_arr = np.asarray(chosen, dtype=np.int64)
+    rank = np.empty(M, np.int64)
+    rank[chosen_arr] = np.arange(chosen_arr.size)
+    chosen_arr = chosen_arr[np.lexsort((rank[chosen_arr], depths[chosen_arr]))] if chosen else chosen_arr
+    pos = np.zeros(M, np.int64)
+    pos[chosen_arr] = np.arange(1, chosen_arr.size + 1)
+    par = parents[chosen_arr]
+    tree = Tree(torch.as_tensor(np.concatenate([[root], tokens[chosen_arr]]).astype(np.int64)),
+                torch.as_tensor(np.concatenate([[-1], np.where(par < 0, 0, pos[np.maximum(par, 0)])]).astype(np.int64)),
+                scores=torch.as_tensor(np.concatenate([[0.0], scores[chosen_arr].astype(np.float64)])))
+    return tree, chosen_arr
+

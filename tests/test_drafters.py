@@ -142,9 +142,11 @@ def test_final_norm_twice_changes_logits_only_by_the_extra_norm():
     head = random_head(target, "dart", draft_length=3)
     aux = torch.randn(1, 4, 3 * target.hidden_size)
     nxt = torch.tensor([[3, 4, 5, 6]])
+    assert head.cfg.final_norm_twice  # new heads run the released forward
+    twice, _ = head(aux, nxt, torch.arange(7))
+    head.cfg = HeadConfig(**{**head.cfg.__dict__, "final_norm_twice": False})
     once, _ = head(aux, nxt, torch.arange(7))
     head.cfg = HeadConfig(**{**head.cfg.__dict__, "final_norm_twice": True})
-    twice, _ = head(aux, nxt, torch.arange(7))
     assert not torch.allclose(once, twice)
     with torch.no_grad():  # with a unit norm weight, RMSNorm is idempotent: the extra norm is a no-op
         head.norm.weight.fill_(1.0)
@@ -181,3 +183,59 @@ def test_unknown_method():
         make_drafter("medusa", tiny_target("llama"))
     with pytest.raises(DartLabError, match="no dart head"):
         make_drafter("dart", tiny_target("llama"))
+
+
+# config.json fields the released loaders read (DartConfig / EConfig are LlamaConfig subclasses)
+RELEASED_CONFIG_FIELDS = ["architectures", "hidden_size", "intermediate_size", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size",
+                          "rms_norm_eps", "rope_theta", "max_position_embeddings", "hidden_act", "num_hidden_layers"]
+
+
+@pytest.mark.parametrize("kind", ["dart", "eagle3"])
+def test_exported_head_has_what_the_released_loader_needs(tmp_path, kind):
+    """The released loaders call load_state_dict(strict=False) on a module that owns embed_tokens:
+    a missing key is not an error there, it is a silently random tensor. So: every key of the
+    released module is in the file, with its shape, and embed_tokens is the target's."""
+    from safetensors.torch import load_file
+
+    target = tiny_target("llama")
+    head = random_head(target, kind)
+    head.save(tmp_path / "h", with_embedding=True)
+    sd = load_file(str(tmp_path / "h" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    released = type(head)(HeadConfig.from_official_json(cfg))  # the released module: our layout + embed_tokens
+    released.embed_tokens = torch.nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+    missing, unexpected = released.load_state_dict(sd, strict=False)
+    assert missing == [] and unexpected == []
+    want = set(OFFICIAL_KEYS) - ({"midlayer.mask_rep"} if kind == "eagle3" else set())
+    assert set(sd) == want
+    torch.testing.assert_close(sd["embed_tokens.weight"], target.model.get_input_embeddings().weight)
+    assert not [f for f in RELEASED_CONFIG_FIELDS if f not in cfg]
+    assert cfg["architectures"] == [type(head).architecture] and cfg["bias"] is False
+    # a new DART head runs the released forward (final norm twice); our own loader reads the export
+    assert cfg["final_norm_twice"] is (kind == "dart") or kind == "eagle3"
+    type(head).load(tmp_path / "h", target=target)
+    # without the embedding attached there is nothing to export: a one-line error, nothing written
+    bare = type(head)(head.cfg)
+    with pytest.raises(DartLabError, match="embedding"):
+        bare.save(tmp_path / "bare", with_embedding=True)
+    assert not (tmp_path / "bare").exists()
+
+
+def test_eagle3_tree_counts_as_the_released_builder():
+    """total_token counts the root (60 -> 59 drafted nodes); `depth` counts the forwards after the
+    root's, so with everything kept the tree holds topk + depth * topk^2 candidates, depth + 1 deep."""
+    target = tiny_target("llama")
+    head = random_head(target, "eagle3")
+    ids = [3, 4, 5, 6]
+    aux = torch.randn(4, 3 * target.hidden_size)
+
+    def tree_for(cfg):
+        d = Eagle3Drafter(head, cfg)
+        d.begin(target, ids, aux)
+        return d.propose(ids)
+
+    t = tree_for(Eagle3TreeConfig())
+    assert len(t) == 60 and int(t.depths.max()) <= 8
+    t = tree_for(Eagle3TreeConfig(total_tokens=10_000, depth=3, topk=4))
+    assert len(t) == 1 + 4 + 3 * 16 and int(t.depths.max()) == 4

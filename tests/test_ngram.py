@@ -31,9 +31,9 @@ def test_counts_and_backoff_match_brute_force(tmp_path):
         a, b = int(ctx[r, 0]), int(ctx[r, 1])
         for k in range(5):
             t = int(toks[r, k])
-            if a >= 0 and c2[(a, b)] > 0:
+            if a >= 0 and c3[(a, b, t)] > 0:  # per-token back-off (released TrieNgram)
                 want = c3[(a, b, t)] / c2[(a, b)]
-            elif c1[b] > 0:
+            elif c2[(b, t)] > 0:
                 want = c2[(b, t)] / c1[b]
             else:
                 want = 0.0

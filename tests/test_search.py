@@ -20,59 +20,53 @@ def make_ngram(seed=0):
 
 
 def naive_search(logits, context, seqs, cfg, eos):
-    """Straightforward reimplementation: python lists, brute-force n-gram counts."""
+    """Straightforward restatement of the released rules: python lists, brute-force n-gram counts
+    with per-token back-off, float32 scores in the released order of operations, every expansion
+    of the beam a candidate, the tree = the best max_nodes candidates."""
+    f32 = np.float32
     c3 = Counter(tuple(s[i:i + 3]) for s in seqs for i in range(len(s) - 2))
     c2 = Counter(tuple(s[i:i + 2]) for s in seqs for i in range(len(s) - 1))
     c1 = Counter(t for s in seqs for t in s)
 
     def p_ng(a, b, t):
-        if a is not None and c2[(a, b)] > 0:
+        if a is not None and c3[(a, b, t)] > 0:
             return c3[(a, b, t)] / c2[(a, b)]
-        if c1[b] > 0:
+        if c2[(b, t)] > 0:
             return c2[(b, t)] / c1[b]
         return 0.0
 
     levels = []
     for row in logits:
-        vals, idx = torch.topk(row.double(), cfg.topk)
-        lp = torch.log_softmax(vals, -1)
-        levels.append(list(zip(idx.tolist(), lp.tolist())))
-    nodes = []  # (score, level, creation, token, parent_node, path_tokens)
-    beam = [(-1, 0.0, [])]  # (node id, score, path)
+        vals, idx = torch.topk(row.float(), cfg.topk)
+        p = torch.softmax(vals, -1).numpy()
+        levels.append([(t, np.log(p[j] + f32(cfg.eps))) for j, t in enumerate(idx.tolist())])
+    nodes = []  # (score, level, token, parent node id)
+    beam = [(-1, f32(0.0), [])]  # (node id, score, path)
     for lvl, cands in enumerate(levels):
-        wl, wg = (lvl + 1) ** -cfg.level_exponent, cfg.logit_decay ** lvl
+        wl, wg = f32((lvl + 1) ** -cfg.level_exponent), f32(cfg.logit_decay ** lvl)
         pool = []
         for nid, sc, path in beam:
             full = context + path
             for tok, lp in cands:
-                inc = wg * lp
+                inc = lp * wg
                 if cfg.w_ngram and (lvl > 0 or cfg.ngram_at_level0):
                     a = full[-2] if len(full) >= 2 else None
-                    inc += cfg.w_ngram * math.log(p_ng(a, full[-1], tok) + cfg.eps)
+                    inc = inc + np.log(f32(p_ng(a, full[-1], tok)) + f32(cfg.eps)) * f32(cfg.w_ngram)
                 pool.append((sc + wl * inc, nid, tok, path))
+        base = len(nodes)
+        for sc, parent, tok, _ in pool:
+            nodes.append((sc, lvl, tok, parent))
         ranked = sorted(range(len(pool)), key=lambda i: (pool[i][2] in eos, -pool[i][0], i))[: cfg.beam_width]
-        beam = []
-        for i in ranked:
-            sc, parent, tok, path = pool[i]
-            nodes.append((sc, lvl, len(nodes), tok, parent))
-            if tok not in eos:
-                beam.append((len(nodes) - 1, sc, path + [tok]))
-    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1], i))
-    taken, chosen = set(), []
-    for i in order:
-        if len(chosen) >= cfg.max_nodes:
-            break
-        if nodes[i][4] == -1 or nodes[i][4] in taken:
-            taken.add(i)
-            chosen.append(i)
-    # compare as sets of token paths
+        beam = [(base + i, pool[i][0], pool[i][3] + [pool[i][2]]) for i in ranked if pool[i][2] not in eos]
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1], i))[: cfg.max_nodes]
+
     def path(i):
         out = []
         while i != -1:
-            out.append(nodes[i][3])
-            i = nodes[i][4]
+            out.append(nodes[i][2])
+            i = nodes[i][3]
         return tuple(out[::-1])
-    return {path(i) for i in chosen}
+    return {path(i) for i in order}
 
 
 def tree_paths(tree):
@@ -117,6 +111,7 @@ def test_invariants(seed):
         assert len({toks_[k] for k in kids}) == len(kids)
     sc = t1.scores.tolist()
     assert all(sc[i] <= sc[par[i]] + 1e-12 for i in range(1, len(t1)))
+    assert len(t1) == cfg.max_nodes + 1  # 25 + 7 x 500 candidates: the budget is always filled
 
 
 def test_eos_paths_rank_last_in_beam():
@@ -127,9 +122,10 @@ def test_eos_paths_rank_last_in_beam():
     cfg = TreeSearchConfig(topk=4, beam_width=1, max_nodes=10, w_ngram=0.0)
     logp, toks = topk_levels(logits, cfg.topk)
     tree = tree_search(logp, toks, [1, 2], None, cfg, frozenset({7}))
-    # with beam width 1 the non-EOS token 8 survives level 0 and is expanded; EOS never is
+    # with beam width 1 the non-EOS token 8 survives level 0 and is expanded; EOS never is, but it
+    # stays a candidate and, being the best level-0 token, is drafted as a leaf (released behaviour)
     paths = tree_paths(tree)
-    assert (8, 9) in paths
+    assert (8, 9) in paths and (7,) in paths
     assert not any(p[0] == 7 and len(p) > 1 for p in paths)
 
 
@@ -139,4 +135,19 @@ def test_draft_vocab_mapping():
     logp, toks = topk_levels(logits, 4, d2t)
     _, raw = topk_levels(logits, 4)
     assert (toks == (raw * 3 + 1)).all()
-    assert np.allclose(np.exp(logp).sum(-1), 1.0)
+    assert logp.dtype == np.float32
+    assert np.allclose(np.exp(logp).sum(-1), 1.0, atol=1e-5)
+
+
+def test_missed_beam_candidate_can_be_a_leaf():
+    """Level 1 has one near-certain token: its 2nd best expansion of the best level-0 path outscores
+    every beam survivor's deeper expansions, though beam_width 1 drops it from the beam."""
+    logits = torch.full((3, V), -20.0)
+    logits[0, 5], logits[0, 6] = 5.0, 4.0
+    logits[1, 10], logits[1, 11] = 5.0, 4.9
+    logits[2, 12] = 5.0
+    cfg = TreeSearchConfig(topk=3, beam_width=1, max_nodes=5, w_ngram=0.0)
+    logp, toks = topk_levels(logits, cfg.topk)
+    paths = tree_paths(tree_search(logp, toks, [1, 2], None, cfg))
+    assert (5, 11) in paths  # a candidate of level 1 that was not the beam survivor
+    assert (5, 10, 12) in paths
