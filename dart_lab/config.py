@@ -5,7 +5,7 @@ that produced it. Validation happens in `__post_init__` and raises `DartLabError
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import DartLabError
 
@@ -18,12 +18,12 @@ class GenerationConfig:
     then top-p (1.0 = off) define the distribution that speculative decoding must preserve.
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop_on_eos: bool = True
+    max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (1.0 = off)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    stop_on_eos: bool = field(default=True, metadata={"help": "stop at the target's EOS"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -13,6 +13,10 @@ from pathlib import Path
 from .assets import data_dir, embedded_file
 from .errors import DartLabError
 
+# ShareGPT speaker names -> chat-template roles
+ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+        "bing": "assistant", "assistant": "assistant", "system": "system"}
+
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca")
 # the paper's evaluation sets on the hub (used only where the hub is reachable)
 HUB_DATASETS = {

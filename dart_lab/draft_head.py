@@ -1,4 +1,5 @@
-"""The DART draft head (paper section 3.1; NOTES.md "Draft head").
+"""The draft heads: DART (paper section 3.1; paper/METHOD.md "Draft head") and the EAGLE-3 baseline, one
+decoder layer (`MidLayer`) that both run, at inference and in training.
 
     aux (n, 3H) --fc--> g (n, H)                       three target layers fused, bias-free
     x_i = concat(RMSNorm(embed(token_{i+1})), RMSNorm(g_i))   (n, 2H), the "shift": position i
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .atomic import atomic_dir
@@ -57,7 +59,7 @@ class HeadConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
-    final_norm_twice: bool = True  # the released forward (NOTES.md "Draft head"); False for older heads
+    final_norm_twice: bool = True  # the released forward (paper/METHOD.md "Draft head"); False for older heads
     shifted: bool = True  # level 0 from the last prefix position (paper); False: from the first mask (Table 3)
 
     @property
@@ -187,7 +189,8 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    """The single decoder layer shared by DART (with the learned mask vector) and EAGLE-3 (without)."""
+    """The single decoder layer shared by DART (with the learned mask vector) and EAGLE-3 (without).
+    Both heads, at inference and in training, run it through `inputs` + `forward`."""
 
     def __init__(self, cfg: HeadConfig, with_mask: bool = True):
         super().__init__()
@@ -198,6 +201,21 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def inputs(self, emb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """emb, g (B, n, H) token embeddings and fused states -> attention input (B, n, 2H)."""
+        return torch.cat([self.input_layernorm(emb.to(g.dtype)), self.hidden_norm(g)], dim=-1)
+
+    def forward(self, x: torch.Tensor, resid: torch.Tensor, positions: torch.Tensor, mask=None, past_kv=None,
+                rows: slice | None = None):
+        """x (B, T, 2H) attention input, resid (B, T, H) residual stream, positions (T,), mask and
+        past_kv as `Attention.forward`. rows: the positions that need the MLP (those whose output
+        is used; default all). Returns the pre-norm output (B, T', H) and the (k, v) of the T inputs."""
+        attn, kv = self.self_attn(x, positions, mask, past_kv)
+        h = resid + attn
+        if rows is not None:
+            h = h[:, rows]
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
 
 
 class HeadBase(nn.Module):
@@ -243,7 +261,6 @@ class HeadBase(nn.Module):
     def save(self, out_dir: str | Path, extra_card: str | None = None, with_embedding: bool = False) -> Path:
         """Atomically write model.safetensors + config.json (official layout). with_embedding: also
         write the attached target embedding as `embed_tokens.weight` (what the released loaders need)."""
-        from safetensors.torch import save_file
 
         out = Path(out_dir)
         if with_embedding and self.embed_tokens is None:
@@ -262,7 +279,6 @@ class HeadBase(nn.Module):
     def load(cls, path: str | Path, target=None, device=None, dtype=None):
         """Load a head from a folder with config.json + model.safetensors (official or ours). With
         `target`, check that it fits (hidden size, vocabulary) and attach its embedding."""
-        from safetensors.torch import load_file
 
         path = Path(path)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
@@ -305,20 +321,16 @@ class DartHead(HeadBase):
         lay = self.midlayer
         B, n, _ = aux.shape
         g = self.fc(aux)  # (B, n, H)
-        emb = self.embed_tokens(next_ids).to(g.dtype)
-        x = torch.cat([lay.input_layernorm(emb), lay.hidden_norm(g)], dim=-1)  # (B, n, 2H)
+        x = lay.inputs(self.embed_tokens(next_ids), g)  # (B, n, 2H)
         H = self.cfg.hidden_size
         resid = g
         if m:
             mask_vec = lay.mask_rep.to(x.dtype)
             x = torch.cat([x, mask_vec.expand(B, m, 2 * H)], dim=1)
             resid = torch.cat([g, mask_vec[:H].expand(B, m, H)], dim=1)
-        attn, kv = lay.self_attn(x, positions, attn_mask, past_kv)
-        h = resid + attn
-        if not return_all:
-            # last prefix position + masks (MLP only where logits are needed)
-            h = h[:, n - 1:] if self.cfg.shifted else h[:, n:]
-        h = h + lay.mlp(lay.post_attention_layernorm(h))
+        # MLP only where logits are needed: the last prefix position + masks (masks only if unshifted)
+        rows = None if return_all else slice(n - 1 if self.cfg.shifted else n, None)
+        h, kv = lay(x, resid, positions, attn_mask, past_kv, rows=rows)
         h = self.norm(h)
         if self.cfg.final_norm_twice:
             h = self.norm(h)
@@ -333,3 +345,23 @@ def check_fits(hidden: int, vocab: int, target, what: str) -> None:
     if vocab != target.model.get_input_embeddings().weight.shape[0]:
         raise DartLabError(f"{what} expects a target vocabulary of {vocab}, the target has "
                            f"{target.model.get_input_embeddings().weight.shape[0]}")
+
+
+class Eagle3Head(HeadBase):
+    """EAGLE-3 (Li et al. 2025): the same layer, drafting autoregressively. Step j feeds the head its
+    own pre-norm output of step j-1 with the embedding of the token chosen at step j-1; one final
+    norm. State-dict layout of released heads (e.g. AngelSlim/Qwen3-*_eagle3)."""
+
+    architecture = "LlamaForCausalLMEagle3"
+    with_mask = False
+
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, past_kv=None,
+                attn_mask: torch.Tensor | None = None, from_target: bool = True, logits: bool = True):
+        """hidden (B, n, 3H') target aux states (from_target) or (B, n, H) the head's own previous
+        outputs; next_ids (B, n) the token after each position. positions (n,).
+        Returns logits (B, n, Vd) (None if not `logits`: training applies lm_head on supervised rows
+        only), out hidden (B, n, H) (pre-norm, fed to the next step), (k, v)."""
+        g = self.fc(hidden) if from_target else hidden
+        h, kv = self.midlayer(self.midlayer.inputs(self.embed_tokens(next_ids), g), g, positions, attn_mask, past_kv)
+        return (self.lm_head(self.norm(h)) if logits else None), h, kv
+

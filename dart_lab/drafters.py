@@ -1,64 +1,81 @@
-"""Drafting methods plugged into the shared decode loop (`generate.Drafter` interface).
+"""Every drafting method, plugged into the shared decode loop (`generate.Drafter` interface).
 
 dart           DART head: one forward -> per-level logits -> n-gram-guided tree search
 dart-no-ngram  the same with w_ng = 0 (paper Table 2 ablation)
+eagle3         EAGLE-3 head with its dynamic tree (EAGLE-2 section 4)
 pld            prompt lookup decoding: copy the continuation of the last matching n-gram
-eagle3         EAGLE-3 head (see eagle3.py) with its dynamic tree
 sps            standard speculative sampling with a smaller draft LM (greedy chain of its argmax)
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .errors import DartLabError
 from .generate import Drafter
 from .search import TreeSearchConfig, topk_levels, tree_search
-from .tree import Tree
+from .target import Target, sync
+from .tree import Tree, best_closed_tree
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+class HeadDrafter(Drafter):
+    """What the head drafters (DART, EAGLE-3) share: the head's KV cache of every committed prefix
+    position, and the aux states of newly accepted positions, fed at the next `propose`."""
 
-
-class DartDrafter(Drafter):
-    """Paper section 3: draft (one head forward) -> tree search. The head's KV cache holds every
-    committed prefix position; each round feeds the newly accepted positions plus the masks."""
-
-    name = "dart"
     needs_aux = True
 
-    def __init__(self, head, ngram=None, search: TreeSearchConfig = TreeSearchConfig(), name: str | None = None):
+    def __init__(self, head):
         super().__init__()
-        self.head, self.ngram, self.search = head, ngram, search
-        if name:
-            self.name = name
+        self.head = head
         self._d2t = head.draft_to_target()
 
     def begin(self, target, ids, aux):
         self.eos = target.eos_ids
         self.kv = None
         self.n_cached = 0
-        self.pending = (aux, ids[-aux.shape[0]:])
+        self.observe(ids, aux)
 
     def observe(self, ids, aux):
-        self.pending = (aux, ids[-aux.shape[0]:])
+        self.pending = (aux, ids[-aux.shape[0]:])  # aux (n, 3H) and the token after each position
+
+    def feed_inputs(self, extra_positions: int = 0):
+        """The pending prefix as head inputs: aux (1, n, 3H) in the head's dtype, next ids (1, n),
+        positions (n + extra_positions,) continuing the head's cache."""
+        aux, nxt = self.pending
+        dev = aux.device
+        n = aux.shape[0]
+        positions = torch.arange(self.n_cached, self.n_cached + n + extra_positions, device=dev)
+        return aux[None].to(self.head.fc.weight.dtype), torch.as_tensor(nxt, dtype=torch.long, device=dev)[None], positions
+
+    def keep_prefix_kv(self, kv) -> None:
+        """Append the fed prefix positions' (k, v) to the head's cache for good."""
+        self.kv = kv if self.kv is None else (torch.cat([self.kv[0], kv[0]], -2), torch.cat([self.kv[1], kv[1]], -2))
+        self.n_cached += kv[0].shape[-2]
+        self.pending = None
+
+
+class DartDrafter(HeadDrafter):
+    """Paper section 3: draft (one head forward) -> tree search. The head's KV cache holds every
+    committed prefix position; each round feeds the newly accepted positions plus the masks."""
+
+    name = "dart"
+
+    def __init__(self, head, ngram=None, search: TreeSearchConfig = TreeSearchConfig(), name: str | None = None):
+        super().__init__(head)
+        self.ngram, self.search = ngram, search
+        if name:
+            self.name = name
 
     @torch.no_grad()
     def draft_logits(self) -> torch.Tensor:
         """(draft_length + 1, Vd) logits for levels 0..draft_length; feeds the pending prefix."""
-        aux, nxt = self.pending
-        dev = aux.device
-        n, m = aux.shape[0], self.head.cfg.n_masks
-        positions = torch.arange(self.n_cached, self.n_cached + n + m, device=dev)
-        nxt = torch.as_tensor(nxt, dtype=torch.long, device=dev)
-        logits, kv = self.head(aux[None].to(self.head.fc.weight.dtype), nxt[None], positions, past_kv=self.kv)
-        self.kv = kv if self.kv is None else (torch.cat([self.kv[0], kv[0]], -2), torch.cat([self.kv[1], kv[1]], -2))
-        self.n_cached += n
-        self.pending = None
+        aux, nxt, positions = self.feed_inputs(self.head.cfg.n_masks)
+        logits, kv = self.head(aux, nxt, positions, past_kv=self.kv)
+        self.keep_prefix_kv(kv)
         return logits[0]
 
     def propose(self, ids):
@@ -70,6 +87,10 @@ class DartDrafter(Drafter):
         t2 = time.perf_counter()
         self.last_timing = {"draft_ms": (t1 - t0) * 1e3, "search_ms": (t2 - t1) * 1e3}
         return tree
+
+    def set_budget(self, nodes: int) -> None:
+        """Draft trees of `nodes` nodes (root excluded): the same search, a different final cut."""
+        self.search = dataclasses.replace(self.search, max_nodes=nodes)
 
     def config(self) -> dict:
         return {"name": self.name, "search": dataclasses.asdict(self.search), "head": dataclasses.asdict(self.head.cfg),
@@ -116,15 +137,11 @@ class SPSDrafter(Drafter):
 
     def __init__(self, draft_model, draft_len: int = 5):
         super().__init__()
-        from .target import Target
-
         self.draft = draft_model if isinstance(draft_model, Target) else Target(draft_model)
         self.draft_len = draft_len
 
     def begin(self, target, ids, aux):
         if self.draft.vocab_size > target.vocab_size:
-            from .errors import DartLabError
-
             raise DartLabError(f"SPS draft vocabulary ({self.draft.vocab_size}) exceeds the target's ({target.vocab_size})")
         self.draft.prefill(torch.tensor(ids[:-1]))
         self.committed = len(ids) - 1  # tokens in the draft cache
@@ -146,13 +163,114 @@ class SPSDrafter(Drafter):
             d.commit([0])
             tok = int(out.logits[0].argmax())
             chain.append(tok)
-        # drop the speculative entries: keep only committed tokens in the draft cache
-        for layer in d.cache.layers:
-            layer.keys, layer.values = layer.keys[..., :base, :], layer.values[..., :base, :]
-        d.seq_len = base
-        _sync(d.device)
+        d.truncate(base)  # drop the speculative entries: keep only committed tokens in the draft cache
+        sync(d.device)
         self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0}
         return Tree.from_paths(ids[-1], [chain])
 
     def config(self) -> dict:
         return {"name": self.name, "draft_len": self.draft_len, "draft_model": self.draft.name}
+
+
+@dataclass(frozen=True)
+class Eagle3TreeConfig:
+    """EAGLE-3 demo settings used by the DART paper: total_token 60, depth 7, top_k 10, meaning
+    what they mean in the released code: 60 nodes including the root (59 drafted), depth 7
+    forwards after the root's (trees up to depth 8)."""
+
+    total_tokens: int = 60  # tree nodes including the root
+    depth: int = 7  # head forwards after the first one
+    topk: int = 10
+
+
+class Eagle3Drafter(HeadDrafter):
+    """EAGLE-2/3 dynamic tree, counted as the released builder counts (paper/METHOD.md "EAGLE-3 baseline"):
+    one head forward from the root gives its `topk` children; then `depth` more forwards, each
+    expanding the `topk` best frontier nodes by cumulative log-prob (all frontier nodes in ONE head
+    forward, with tree attention inside the draft) -> trees reach depth `depth` + 1. Every candidate
+    enters the final selection; the tree keeps the best `total_tokens` - 1 (the released
+    `total_token` counts the root) via `tree.best_closed_tree`, ancestor-closed also on exact ties,
+    where the released builder (closure check commented out) can attach a node to a parent it did
+    not keep -- the one documented difference."""
+
+    name = "eagle3"
+
+    def __init__(self, head, tree: Eagle3TreeConfig = Eagle3TreeConfig()):
+        super().__init__(head)
+        self.tree_cfg = tree
+
+    def set_budget(self, nodes: int) -> None:
+        """Draft trees of `nodes` nodes (root excluded; the released total_token counts the root)."""
+        self.tree_cfg = dataclasses.replace(self.tree_cfg, total_tokens=nodes + 1)
+
+    def _topk(self, logits: torch.Tensor, k: int):
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        v, i = torch.topk(lp, k, dim=-1)
+        return v, self._d2t[i]
+
+    @torch.no_grad()
+    def propose(self, ids):
+        t0 = time.perf_counter()
+        cfg, head = self.tree_cfg, self.head
+        aux, nxt, pos = self.feed_inputs()
+        dev = aux.device
+        # step 0: feed the newly committed prefix; its K/V join the head's cache for good
+        logits, h, kv = head(aux, nxt, pos, past_kv=self.kv)
+        self.keep_prefix_kv(kv)
+        P = self.n_cached
+
+        # node bookkeeping (node 0 = root); scores = cumulative log-prob
+        lp, tok = self._topk(logits[0, -1], cfg.topk)
+        tokens = [ids[-1]] + tok.tolist()
+        parents = [-1] + [0] * cfg.topk
+        scores = [0.0] + lp.tolist()
+        depth = [0] + [1] * cfg.topk
+        frontier = list(range(1, cfg.topk + 1))
+        parent_hidden = {i: h[0, -1] for i in frontier}  # hidden that produced node i's distribution
+        tree_k, tree_v, processed = [], [], []  # K/V of draft-tree nodes already run through the head
+        for d in range(1, cfg.depth + 1):
+            F = len(frontier)
+            hid = torch.stack([parent_hidden[i] for i in frontier])[None]
+            tk = torch.tensor([tokens[i] for i in frontier], device=dev)[None]
+            pos = torch.tensor([P - 1 + depth[i] for i in frontier], device=dev)
+            # each frontier node sees the committed prefix, its processed ancestors and itself
+            anc = []
+            for i in frontier:
+                a, j = set(), parents[i]
+                while j > 0:
+                    a.add(j)
+                    j = parents[j]
+                anc.append([p in a for p in processed])
+            mask = torch.ones(F, P + len(processed) + F, dtype=torch.bool, device=dev)
+            if processed:
+                mask[:, P:P + len(processed)] = torch.tensor(anc, device=dev)
+            mask[:, P + len(processed):] = torch.eye(F, dtype=torch.bool, device=dev)
+            past = self.kv if not processed else (torch.cat([self.kv[0]] + tree_k, -2), torch.cat([self.kv[1]] + tree_v, -2))
+            logits, h, kv = head(hid, tk, pos, past_kv=past, attn_mask=mask, from_target=False)
+            tree_k.append(kv[0])
+            tree_v.append(kv[1])
+            processed.extend(frontier)
+            lp, tok = self._topk(logits[0], cfg.topk)  # (F, topk)
+            cand = (torch.tensor([scores[i] for i in frontier], device=dev)[:, None] + lp.to(dev)).flatten()
+            cand_tok = tok.flatten().tolist()
+            cand_score = cand.tolist()
+            new_ids = []
+            for r in range(len(cand_score)):
+                pi = frontier[r // cfg.topk]
+                tokens.append(cand_tok[r])
+                parents.append(pi)
+                scores.append(cand_score[r])
+                depth.append(d + 1)
+                new_ids.append(len(tokens) - 1)
+                parent_hidden[len(tokens) - 1] = h[0, r // cfg.topk]
+            order = np.argsort(-np.asarray(cand_score), kind="stable")[: cfg.topk]
+            frontier = [new_ids[o] for o in order]
+
+        # keep the best total_tokens - 1 candidates (the root is the released count's first node)
+        tree, _ = best_closed_tree(tokens[0], np.asarray(tokens[1:]), np.asarray(parents[1:]) - 1,
+                                   np.asarray(scores[1:]), np.asarray(depth[1:]), cfg.total_tokens - 1)
+        self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0}
+        return tree
+
+    def config(self) -> dict:
+        return {"name": self.name, "tree": dataclasses.asdict(self.tree_cfg), "head": dataclasses.asdict(self.head.cfg)}

@@ -15,13 +15,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
 from .atomic import atomic_file
-from .data import iter_sharegpt
+from .data import ROLE, iter_sharegpt
 from .errors import DartLabError
-
-ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
-        "bing": "assistant", "assistant": "assistant", "system": "system"}
+from .regenerate import iter_regenerated
 
 
 def render_conversation(tokenizer, turns: list[dict], max_len: int) -> tuple[list[int], list[bool]] | None:
@@ -60,8 +61,6 @@ def _regenerated(conversations: str | Path | None):
     """Records of a `dart-lab regenerate` folder, or None (= ShareGPT itself)."""
     if conversations is None:
         return None
-    from .regenerate import iter_regenerated  # regenerate imports this module
-
     return iter_regenerated(conversations)
 
 
@@ -84,8 +83,6 @@ def sharegpt_examples(tokenizer, max_len: int = 512, limit: int | None = None, s
 
 
 def _save_shard(path: Path, tensors: dict, meta: dict) -> None:
-    from safetensors.torch import save_file
-
     with atomic_file(path) as tmp:
         save_file(tensors, tmp, metadata={"json": json.dumps(meta)})
 
@@ -116,8 +113,6 @@ def write_features(target, examples, out_dir: str | Path, num_examples: int, spl
     todo = {s for s in range(n_shards) if not (out / f"shard_{s:05d}.safetensors").is_file()}
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=num_examples, initial=(n_shards - len(todo)) * shard_size, desc=f"features {split}", unit="seq")
     buf, shard, count = [], 0, 0
     for ex in examples:
@@ -161,8 +156,6 @@ class FeatureDataset:
     """Examples from feature shards, as dicts of tensors. Deterministic order = shard order."""
 
     def __init__(self, folder: str | Path):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         self.shards = sorted(self.folder.glob("shard_*.safetensors"))
         if not self.shards:
@@ -183,8 +176,6 @@ class FeatureDataset:
         return ex["input_ids"], ex["loss_mask"]
 
     def __getitem__(self, i: int) -> dict:
-        from safetensors.torch import load_file
-
         shard, j = self.index[i]
         if self._cache[0] != shard:
             self._cache = (shard, load_file(str(shard)))

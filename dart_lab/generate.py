@@ -12,9 +12,9 @@ import torch
 
 from .config import GenerationConfig
 from .errors import DartLabError
-from .target import Target
+from .target import Target, sync
 from .tree import Tree
-from .verify import accept, target_probs
+from .acceptance import accept, target_probs
 
 
 class Drafter:
@@ -58,6 +58,9 @@ class GenerationResult:
     decode_s: float
     stop_reason: str
     steps: list[dict] = field(default_factory=list)  # per verify step: accept_len, draft/search/verify ms
+    # the target's top-1 minus top-2 logit where each token was chosen (aligned with tokens): how
+    # close a call it was, which is what a low-precision divergence from AR is judged by
+    margins: list[float] = field(default_factory=list)
     config: dict = field(default_factory=dict)
     text: str = ""
 
@@ -84,15 +87,16 @@ class GenerationResult:
         return d
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _first_token(logits_row: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -> int:
     if cfg.greedy:
         return int(logits_row.argmax())
     return int(torch.multinomial(target_probs(logits_row[None], cfg)[0], 1, generator=gen))
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    """(k, V) -> top-1 minus top-2 logit of each row."""
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
 
 
 def make_generator(device: torch.device, seed: int) -> torch.Generator:
@@ -109,14 +113,15 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
     gen = make_generator(dev, cfg.seed)
 
     # 0. prefill: cache the prompt and pick the first new token (the first tree root)
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
-    out = target.prefill(prompt_ids, want_aux=drafter.needs_aux)
+    out = target.prefill(prompt_ids, want_aux=drafter.needs_aux, all_logits=False)
     first = _first_token(out.logits[-1], cfg, gen)
     ids = prompt_ids.tolist() + [first]
     new = [first]
+    margins = _margins(out.logits[-1:])
     drafter.begin(target, ids, out.aux)
-    _sync(dev)
+    sync(dev)
     t1 = time.perf_counter()
 
     steps, stop = [], "max_new_tokens"
@@ -137,7 +142,7 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
             raise RuntimeError(f"drafter {drafter.name} returned a tree whose root is not the last token")
         if target.seq_len + int(tree.depths.max()) + 1 > target.max_context:
             tree = Tree.single(ids[-1])  # no room left for drafts: finish with plain AR steps
-        _sync(dev)
+        sync(dev)
         tb = time.perf_counter()
         # 2. verify: one target forward over the whole tree
         vo = target.verify(tree, want_aux=drafter.needs_aux)
@@ -148,11 +153,13 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
         emitted = tree.tokens[path[1:]].tolist() + [bonus]
         ids.extend(emitted)
         new.extend(emitted)
+        margins.extend(_margins(vo.logits[path]))
         drafter.observe(ids, vo.aux[path] if vo.aux is not None else None)
-        _sync(dev)
+        sync(dev)
         tc = time.perf_counter()
         timing = drafter.last_timing
         steps.append({"accept_len": len(path) - 1, "tree_size": len(tree),
+                      **({"path_ranks": tree.ranks[path[1:]].tolist()} if tree.ranks is not None else {}),
                       "draft_ms": timing.get("draft_ms", 0.0), "search_ms": timing.get("search_ms", 0.0),
                       "propose_ms": (tb - ta) * 1e3, "verify_ms": (tc - tb) * 1e3})
         if cfg.stop_on_eos and any(t in target.eos_ids for t in emitted):
@@ -167,9 +174,10 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
             if t in target.eos_ids:
                 new = new[:i + 1]
                 break
+    margins = margins[:len(new)]
     text = target.decode(new) if target.tokenizer is not None else ""
     return GenerationResult(method=drafter.name, tokens=new, prompt_tokens=prompt_ids.numel(), prefill_s=t1 - t0,
-                            decode_s=t2 - t1, stop_reason=stop, steps=steps,
+                            decode_s=t2 - t1, stop_reason=stop, steps=steps, margins=margins,
                             config={"generation": asdict(cfg), "drafter": drafter.config()}, text=text)
 
 
@@ -196,10 +204,10 @@ def hf_generate(target: Target, prompt_ids, cfg: GenerationConfig = GenerationCo
         kw["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
     dev = target.device
     x = prompt_ids[None].to(dev)
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     out = target.model.generate(x, attention_mask=torch.ones_like(x), **kw)
-    _sync(dev)
+    sync(dev)
     t1 = time.perf_counter()
     new = out[0, prompt_ids.numel():].tolist()
     if cfg.stop_on_eos:

@@ -1,4 +1,5 @@
-"""Method registry: build any decoding method by name for a target.
+"""Method registry: every decoding method by name, built for a target as a `Runner` with
+`generate(ids, cfg)`; the CLI, the benchmark and the reproduction know methods only through it.
 
 Heads: an explicit path, else the trained heads shipped for the embedded target
 (dart_lab/heads/<target>/{dart,eagle3}), else — only when asked with `random_heads=True`, for
@@ -7,30 +8,51 @@ plumbing tests — freshly initialised heads (correct but useless drafts; result
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import hashlib
+import json
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from .assets import cache_dir, resolve_hub
+from .atomic import write_json
+from .budget import CALIBRATION_PROMPTS, BudgetConfig, choose_budget, cost_curve
+from .config import GenerationConfig
+from .draft_head import DartHead, Eagle3Head, HeadConfig
+from .drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter
 from .errors import DartLabError
+from .generate import Drafter, GenerationResult, generate, hf_generate
+from .loading import load_target
+from .ngram import NGram, build_ngram
+from .search import TreeSearchConfig
 
-METHODS = ("ar", "dart", "dart-no-ngram", "eagle3", "pld", "sps", "hf", "hf-pld")
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
+
+
+def _opt(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class MethodOptions:
-    dart_head: str = ""  # folder with config.json + model.safetensors; "" = shipped default
-    eagle3_head: str = ""
-    ngram: str = "sharegpt"  # 'sharegpt', 'jsonl:PATH', an .npz or an official .trie file
-    ngram_max_tokens: int = 0  # 0 = the whole corpus
-    sps_model: str = ""  # HF id/path of a smaller LM with the target's tokenizer
-    sps_draft_len: int = 5
-    random_heads: bool = False
-    pld_max_ngram: int = 3
-    pld_num_pred: int = 10
-    draft_length: int = 0  # 0 = the head's own
-    tree_nodes: int = 0  # 0 = the search config's default (60)
+    """What the methods are built from; the CLI's flags are generated from these fields."""
+
+    dart_head: str = _opt("", "DART head folder (config.json + model.safetensors); default: the shipped head")
+    eagle3_head: str = _opt("", "EAGLE-3 head folder; default: the shipped head")
+    ngram: str = _opt("sharegpt", "n-gram table: sharegpt | jsonl:PATH | FILE.npz | FILE.trie")
+    ngram_max_tokens: int = _opt(0, "n-gram corpus tokens (0 = the whole corpus)")
+    sps_model: str = _opt("", "sps: HF id/path of a smaller LM with the target's tokenizer")
+    sps_draft_len: int = _opt(5, "sps: draft chain length")
+    random_heads: bool = _opt(False, "untrained heads where none is shipped (plumbing checks only)")
+    pld_max_ngram: int = _opt(3, "pld: longest suffix matched")
+    pld_num_pred: int = _opt(10, "pld: tokens copied")
+    draft_length: int = _opt(0, "DART masks per forward (0 = the head's own)")
+    tree_nodes: str = _opt("auto", "drafted tree nodes, root excluded: auto (chosen from this machine's measured "
+                                   "verify cost and the head's acceptance, see budget.py) | paper (DART 60, "
+                                   "EAGLE-3 59, the released defaults) | a number")
 
 
 def shipped_head(target, kind: str) -> Path | None:
@@ -39,9 +61,6 @@ def shipped_head(target, kind: str) -> Path | None:
 
 
 def random_head(target, kind: str, seed: int = 0, draft_length: int = 7, shifted: bool = True):
-    from .draft_head import DartHead, HeadConfig
-    from .eagle3 import Eagle3Head
-
     torch.manual_seed(seed)
     cfg = HeadConfig.for_target(target.model.config, draft_vocab_size=min(target.vocab_size, 8192),
                                 draft_length=draft_length, shifted=shifted)
@@ -52,11 +71,6 @@ def random_head(target, kind: str, seed: int = 0, draft_length: int = 7, shifted
 
 
 def load_head(target, kind: str, path: str, random_heads: bool):
-    from .draft_head import DartHead
-    from .eagle3 import Eagle3Head
-
-    from .assets import resolve_hub
-
     cls = DartHead if kind == "dart" else Eagle3Head
     if path:
         return cls.load(resolve_hub(path), target=target)
@@ -70,9 +84,6 @@ def load_head(target, kind: str, path: str, random_heads: bool):
 
 
 def load_ngram_for(target, spec: str, max_tokens: int = 0):
-    from .assets import resolve_hub
-    from .ngram import NGram, build_ngram
-
     if spec.endswith((".npz", ".trie")):
         path = resolve_hub(spec) if spec.startswith("hub:") else Path(spec)
         if not path.is_file():
@@ -83,46 +94,202 @@ def load_ngram_for(target, spec: str, max_tokens: int = 0):
     return build_ngram(target.tokenizer, spec, max_tokens=max_tokens or None)
 
 
-def make_drafter(name: str, target, opts: MethodOptions = MethodOptions(), cache: dict | None = None):
-    """A Drafter for `name` (None for 'ar'); 'hf' and 'hf-pld' are run by hf_generate instead.
-    `cache` (dict) shares heavy objects (heads, n-gram table) between methods of one run."""
-    from .drafters import DartDrafter, PLDDrafter, SPSDrafter
-    from .eagle3 import Eagle3Drafter, Eagle3TreeConfig
-    from .search import TreeSearchConfig
+def _dart_head(target, opts: MethodOptions, cache: dict):
+    if "dart_head" not in cache:
+        cache["dart_head"] = load_head(target, "dart", opts.dart_head, opts.random_heads)
+    head = cache["dart_head"]
+    if opts.draft_length:
+        head.cfg = dataclasses.replace(head.cfg, draft_length=opts.draft_length)
+    return head
 
-    cache = {} if cache is None else cache
+
+def tree_budget(opts: MethodOptions) -> int | None:
+    """Drafted nodes asked for: a number, None for auto (widest probe first, then chosen), 0 = paper."""
+    v = str(opts.tree_nodes).strip().lower()
+    if v == "auto":
+        return None
+    if v in ("paper", "0"):
+        return 0
+    try:
+        n = int(v)
+    except ValueError:
+        raise DartLabError(f"--tree-nodes must be auto, paper or a number >= 1, got {opts.tree_nodes!r}") from None
+    if n < 1:
+        raise DartLabError(f"--tree-nodes must be auto, paper or a number >= 1, got {opts.tree_nodes!r}")
+    return n
+
+
+def _nodes(opts: MethodOptions) -> int:
+    n = tree_budget(opts)
+    return BudgetConfig().max_nodes if n is None else n  # auto: probe with the widest tree
+
+
+def _search(opts: MethodOptions, **kw) -> TreeSearchConfig:
+    n = _nodes(opts)
+    return TreeSearchConfig(**({"max_nodes": n} if n else {}), **kw)
+
+
+def _dart(target, opts, cache):
+    head = _dart_head(target, opts, cache)
+    if "ngram" not in cache:
+        cache["ngram"] = load_ngram_for(target, opts.ngram, opts.ngram_max_tokens)
+    return DartDrafter(head, cache["ngram"], _search(opts))
+
+
+def _dart_no_ngram(target, opts, cache):
+    return DartDrafter(_dart_head(target, opts, cache), None, _search(opts, w_ngram=0.0), name="dart-no-ngram")
+
+
+def _eagle3(target, opts, cache):
+    if "eagle3_head" not in cache:
+        cache["eagle3_head"] = load_head(target, "eagle3", opts.eagle3_head, opts.random_heads)
+    # the released total_token counts the root: n drafted nodes = total_tokens - 1
+    n = _nodes(opts)
+    tree = Eagle3TreeConfig(total_tokens=n + 1) if n else Eagle3TreeConfig()
+    return Eagle3Drafter(cache["eagle3_head"], tree)
+
+
+def _sps(target, opts, cache):
+    if not opts.sps_model:
+        raise DartLabError("sps needs a draft model: pass --sps-model ID_OR_PATH")
+    if "sps" not in cache:
+        cache["sps"] = load_target(opts.sps_model, device=str(target.device), dtype=target.dtype)
+    if cache["sps"].vocab_size > target.vocab_size:
+        raise DartLabError(f"sps draft vocabulary ({cache['sps'].vocab_size}) exceeds the target's ({target.vocab_size})")
+    return SPSDrafter(cache["sps"], opts.sps_draft_len)
+
+
+def _weights_digest(drafter) -> str:
+    """A cheap fingerprint of a drafter's head weights (every 997th value of every tensor)."""
+    head = getattr(drafter, "head", None)
+    if head is None:
+        return ""
+    h = hashlib.sha256()
+    for name, p in head.state_dict().items():
+        h.update(name.encode() + p.detach().float().flatten()[::997].cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Runner:
+    """A decoding method bound to a target: `generate(ids, cfg) -> GenerationResult`.
+    With an automatic tree budget (`budget.py`) it calibrates once when built, drafts with the chosen
+    theta (plain AR steps when no theta beats AR), and re-chooses theta after every generation from
+    the acceptance it observed (steps at budget b inform every theta <= b)."""
+
+    def __init__(self, name: str, target, drafter: Drafter | None = None, hf: bool = False,
+                 hf_lookup: int | None = None, auto_budget: bool = False):
+        self.name, self.target, self.drafter, self.hf, self.hf_lookup = name, target, drafter, hf, hf_lookup
+        self.budget: dict | None = None
+        if auto_budget and drafter is not None:
+            self._calibrate()
+
+    # -- automatic tree budget
+    def _calibrate(self) -> None:
+        """Cost curve (cached per machine) and one decode of the calibration prompts at the widest
+        budget (cached per drafter: head weights, n-gram, search settings, target and dtype)."""
+        cfg = BudgetConfig()
+        t = self.target
+        self.cost = cost_curve(t, cfg)
+        key = {"drafter": self.drafter.config(), "weights": _weights_digest(self.drafter), "target": t.name,
+               "dtype": str(t.dtype), "budget": dataclasses.asdict(cfg), "prompts": CALIBRATION_PROMPTS}
+        path = cache_dir() / "calibration" / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str)
+                                                              .encode()).hexdigest()[:16] + ".json")
+        try:
+            saved = json.loads(path.read_text())
+            self._observed, self._overhead = [tuple(x) for x in saved["observed"]], saved["overhead_ms"]
+        except (OSError, ValueError, KeyError):
+            self._observed, overhead = [], []  # (budget, path_ranks) of every decoded step
+            for text in CALIBRATION_PROMPTS:
+                ids = t.encode_prompt(text) if t.tokenizer is not None else \
+                    torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
+                res = generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=cfg.calibration_tokens))
+                self._observe(res, cfg.max_nodes)
+                overhead += [s["draft_ms"] + s["search_ms"] for s in res.steps]
+            self._overhead = statistics.fmean(overhead) if overhead else 0.0
+            write_json(path, {"observed": self._observed, "overhead_ms": self._overhead})
+        self._choose()
+
+    def _observe(self, res: GenerationResult, budget: int) -> None:
+        self._observed += [(budget, s["path_ranks"]) for s in res.steps if "path_ranks" in s]
+
+    def _choose(self) -> None:
+        probe = BudgetConfig().max_nodes
+        tau = [1.0]
+        for th in range(1, probe + 1):  # tau(theta) over the steps whose budget covered theta
+            rs = [r for b, r in self._observed if b >= th]
+            tau.append(1.0 + statistics.fmean(sum(1 for x in r if x < th) for r in rs) if rs else tau[-1])
+        self.budget = {**choose_budget(tau, self.cost["verify_ms"], self._overhead),
+                       "tau_by_theta": [round(v, 4) for v in tau], "steps_observed": len(self._observed),
+                       "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"]}
+        theta = self.budget["theta"]
+        if theta:
+            self.drafter.set_budget(theta)
+
+    def generate(self, prompt_ids, cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
+        if self.hf:
+            return hf_generate(self.target, prompt_ids, cfg, prompt_lookup_num_tokens=self.hf_lookup)
+        fallback = self.budget is not None and self.budget["fallback_to_ar"]
+        res = generate(self.target, prompt_ids, None if fallback else self.drafter, cfg)
+        res.method = self.name
+        if self.budget is not None:
+            if not fallback and cfg.greedy:
+                self._observe(res, self.budget["theta"])
+                self._choose()
+            res.config["tree_budget"] = {k: self.budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar")}
+        return res
+
+    def config(self) -> dict:
+        out = self.drafter.config() if self.drafter is not None else {"name": self.name}
+        if self.hf_lookup:
+            out["prompt_lookup_num_tokens"] = self.hf_lookup
+        if self.budget is not None:
+            out["tree_budget"] = self.budget
+        return out
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registry entry. drafter: (target, opts, cache) -> Drafter, None for the decode loop's plain
+    AR steps; hf: run by Hugging Face `generate` instead (the external reference)."""
+
+    name: str
+    help: str
+    drafter: Callable | None = None
+    hf: bool = False
+    hf_lookup: int | None = None
+    samples: bool = True  # False: greedy only (HF prompt lookup does not sample)
+    budgeted: bool = False  # a tree builder with a node budget (`--tree-nodes auto` applies)
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("ar", "plain autoregressive decoding (our decode loop, one-node trees)"),
+    Method("dart", "DART head + n-gram-guided tree search (the paper)", _dart, budgeted=True),
+    Method("dart-no-ngram", "DART without the n-gram term (paper Table 2)", _dart_no_ngram, budgeted=True),
+    Method("eagle3", "EAGLE-3 head + dynamic tree", _eagle3, budgeted=True),
+    Method("pld", "prompt lookup decoding", lambda t, o, c: PLDDrafter(o.pld_max_ngram, o.pld_num_pred)),
+    Method("sps", "speculative sampling with a smaller draft LM (--sps-model)", _sps),
+    Method("hf", "Hugging Face generate (external reference)", hf=True),
+    Method("hf-pld", "Hugging Face generate with prompt lookup (greedy only)", hf=True, hf_lookup=10, samples=False),
+)}
+
+
+def get_method(name: str) -> Method:
+    """The registry entry of `name`; the one place an unknown method name is refused."""
     if name not in METHODS:
         raise DartLabError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    if name in ("ar", "hf", "hf-pld"):
-        return None
-    if name == "pld":
-        return PLDDrafter(opts.pld_max_ngram, opts.pld_num_pred)
-    if name in ("dart", "dart-no-ngram"):
-        if "dart_head" not in cache:
-            cache["dart_head"] = load_head(target, "dart", opts.dart_head, opts.random_heads)
-        head = cache["dart_head"]
-        if opts.draft_length:
-            head.cfg = dataclasses.replace(head.cfg, draft_length=opts.draft_length)
-        search = TreeSearchConfig(max_nodes=opts.tree_nodes) if opts.tree_nodes else TreeSearchConfig()
-        if name == "dart-no-ngram":
-            return DartDrafter(head, None, dataclasses.replace(search, w_ngram=0.0), name="dart-no-ngram")
-        if "ngram" not in cache:
-            cache["ngram"] = load_ngram_for(target, opts.ngram, opts.ngram_max_tokens)
-        return DartDrafter(head, cache["ngram"], search)
-    if name == "eagle3":
-        if "eagle3_head" not in cache:
-            cache["eagle3_head"] = load_head(target, "eagle3", opts.eagle3_head, opts.random_heads)
-        tree = Eagle3TreeConfig(total_tokens=opts.tree_nodes) if opts.tree_nodes else Eagle3TreeConfig()
-        return Eagle3Drafter(cache["eagle3_head"], tree)
-    if name == "sps":
-        if not opts.sps_model:
-            raise DartLabError("sps needs a draft model: pass --sps-model ID_OR_PATH")
-        if "sps" not in cache:
-            from .target import Target, load_target
+    return METHODS[name]
 
-            draft = load_target(opts.sps_model, device=str(target.device), dtype=target.dtype)
-            cache["sps"] = draft if isinstance(draft, Target) else Target(draft)
-        if cache["sps"].vocab_size > target.vocab_size:
-            raise DartLabError(f"sps draft vocabulary ({cache['sps'].vocab_size}) exceeds the target's ({target.vocab_size})")
-        return SPSDrafter(cache["sps"], opts.sps_draft_len)
-    raise AssertionError(name)
+
+def make_drafter(name: str, target, opts: MethodOptions = MethodOptions(), cache: dict | None = None):
+    """The Drafter of method `name` (None for methods without one: ar, hf, hf-pld).
+    `cache` (dict) shares heavy objects (heads, n-gram table) between methods of one run."""
+    m = get_method(name)
+    return m.drafter(target, opts, {} if cache is None else cache) if m.drafter else None
+
+
+def make_runner(name: str, target, opts: MethodOptions = MethodOptions(), cache: dict | None = None) -> Runner:
+    """Method `name` bound to `target`, ready to `generate`."""
+    m = get_method(name)
+    auto = m.budgeted and tree_budget(opts) is None
+    return Runner(name, target, make_drafter(name, target, opts, cache), hf=m.hf, hf_lookup=m.hf_lookup,
+                  auto_budget=auto)

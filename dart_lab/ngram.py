@@ -3,7 +3,7 @@
 p(t | a, b) = count(a, b, t) / count(a, b)   if the trigram (a, b, t) was seen,
             = count(b, t) / count(b)         else if the bigram (b, t) was seen,
             = 0                              otherwise (no smoothing; the search adds 1e-10).
-Back-off is decided PER TOKEN, as the released `TrieNgram.get_probability` does (NOTES.md "Tree
+Back-off is decided PER TOKEN, as the released `TrieNgram.get_probability` does (paper/METHOD.md "Tree
 search"): an unseen trigram of a seen context (a, b) backs off to the bigram; it does not get 0.
 When the context has one token only (a = -1), the bigram estimate is used.
 
@@ -24,8 +24,11 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from .assets import cache_dir
 from .atomic import atomic_file
+from .data import _read_jsonl, iter_sharegpt
 from .errors import DartLabError
 
 
@@ -218,7 +221,6 @@ def corpus_key(tokenizer_name: str, source: str, max_tokens: int) -> str:
 def corpus_texts(source: str = "sharegpt"):
     """Texts of an n-gram corpus: 'sharegpt' (every turn of the packaged conversations) or
     'jsonl:PATH' (the 'text' field of each row)."""
-    from .data import _read_jsonl, iter_sharegpt
 
     if source == "sharegpt":
         for rec in iter_sharegpt():
@@ -241,7 +243,6 @@ def build_ngram(tokenizer, source: str = "sharegpt", max_tokens: int | None = No
                 batch: int = 2000, progress: bool = False) -> NGram:
     """Tokenise `source` with the target tokenizer and count 1/2/3-grams; cached under
     DART_LAB_CACHE/ngram keyed by tokenizer, source and max_tokens."""
-    from .assets import cache_dir
 
     name = getattr(tokenizer, "name_or_path", "") + f"|{len(tokenizer)}"
     path = cache_dir() / "ngram" / f"{corpus_key(name, source, max_tokens or 0)}.npz"
@@ -255,8 +256,6 @@ def build_ngram(tokenizer, source: str = "sharegpt", max_tokens: int | None = No
     seqs, total, chunk = [], 0, []
     texts = corpus_texts(source)
     if progress:
-        from tqdm.auto import tqdm
-
         texts = tqdm(texts, desc="tokenising n-gram corpus", unit="text")
 
     def flush():

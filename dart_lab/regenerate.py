@@ -2,7 +2,7 @@
 
 A draft head is judged on the target's own continuations, so training on text the target would write
 (instead of ChatGPT's ShareGPT answers) can raise acceptance; EAGLE/Medusa-style pipelines do this.
-The paper does not say whether DART did (NOTES.md "Training").
+The paper does not say whether DART did (paper/METHOD.md "Training").
 
     conversations (file order) --keep the user turns, first `max_turns` of them--> chunks of `chunk_size`
     each chunk: turn by turn, batched generation (left-padded, `batch_size` prompts of similar length)
@@ -18,11 +18,11 @@ import json
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .atomic import atomic_file, write_json
-from .data import iter_sharegpt
+from .data import ROLE, iter_sharegpt
 from .errors import DartLabError
-from .features import ROLE
 
 
 def _user_turns(rec: dict, max_turns: int) -> list[str] | None:
@@ -99,8 +99,6 @@ def regenerate(target, out_dir: str | Path, num: int, skip: int = 0, max_turns: 
         raise DartLabError("no conversations with a user turn to regenerate")
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(convs), desc="regenerate", unit="conv")
     for c0 in range(0, len(convs), chunk_size):
         k = c0 // chunk_size

@@ -1,5 +1,5 @@
 """N-gram-guided tree search over parallel draft logits (paper section 3.2, Algorithm 1), as the
-released implementation runs it (fvliang/DART: `tree_search.py` + its C++ `Searcher`; NOTES.md
+released implementation runs it (fvliang/DART: `tree_search.py` + its C++ `Searcher`; paper/METHOD.md
 "Tree search"). Golden vectors computed by the released code are matched in tests/test_conformance.py.
 
 The draft head gives, in one forward, a distribution for each future level l = 0..D-1, independent
@@ -71,11 +71,20 @@ def topk_levels(logits: torch.Tensor, k: int, draft_to_target: torch.Tensor | No
 
 
 def tree_search(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram, cfg: TreeSearchConfig,
-                eos_ids=frozenset(), return_nodes: bool = False):
+                eos_ids=frozenset()) -> Tree:
     """logp, tokens: (D, k) per-level log(p + eps) and target ids (see `topk_levels`).
     context: the committed ids, the tree root last. ngram: an `NGram` or None (no n-gram term).
-    Returns the Tree (root = context[-1], at most cfg.max_nodes drafted nodes), or SearchNodes if
-    return_nodes."""
+    Returns the Tree (root = context[-1], at most cfg.max_nodes drafted nodes)."""
+    return _search(logp, tokens, context, ngram, cfg, eos_ids, nodes=False)
+
+
+def search_nodes(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram, cfg: TreeSearchConfig,
+                 eos_ids=frozenset()) -> SearchNodes:
+    """`tree_search` plus each kept node's draft log p, n-gram p and level (for teaching and plots)."""
+    return _search(logp, tokens, context, ngram, cfg, eos_ids, nodes=True)
+
+
+def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool):
     D = logp.shape[0] if not cfg.max_depth else min(cfg.max_depth, logp.shape[0])
     K = tokens.shape[1]
     f32 = np.float32
@@ -124,7 +133,7 @@ def tree_search(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram,
     lvl = np.repeat(np.arange(len(sizes)), sizes)
     col = (np.arange(score.size) - np.repeat(np.cumsum([0] + sizes[:-1]), sizes)) % K  # top-k rank of each
     tree, chosen = best_closed_tree(context[-1], tokens[lvl, col], cat(c_par), score, lvl, cfg.max_nodes)
-    if not return_nodes:
+    if not nodes:
         return tree
     return SearchNodes(tree, cat([[0.0], logp[lvl[chosen], col[chosen]]]), cat([[np.nan], cat(c_ng)[chosen]]),
                        cat([[-1], lvl[chosen]]))

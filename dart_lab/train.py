@@ -29,10 +29,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
 
 from .atomic import atomic_file
-from .draft_head import DartHead, HeadConfig
-from .eagle3 import Eagle3Head
+from .draft_head import DartHead, Eagle3Head, HeadConfig
 from .errors import DartLabError
 from .features import FeatureDataset
 
@@ -106,7 +108,7 @@ def dart_block_layout(T: int, anchors: torch.Tensor, m: int):
     return pos, mask
 
 
-def _target_probs(final: torch.Tensor, lm_head_w: torch.Tensor, d2t_ids: torch.Tensor) -> torch.Tensor:
+def teacher_probs(final: torch.Tensor, lm_head_w: torch.Tensor, d2t_ids: torch.Tensor) -> torch.Tensor:
     """final (T, H) -> target distribution restricted to the draft vocabulary, renormalised (T, Vd).
     softmax(full logits)[draft ids] / its sum == softmax over the draft ids' logits, so only those
     Vd columns of the target lm_head are computed."""
@@ -137,7 +139,7 @@ def dart_loss(head: DartHead, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfi
     m = cfg.draft_length  # levels 0..m
     mb = m if cfg.shifted else m + 1  # masks per block
     n = T - 1
-    q = _target_probs(ex["final"].to(device), lm_head_w, d2t_ids)  # (T, Vd)
+    q = teacher_probs(ex["final"].to(device), lm_head_w, d2t_ids)  # (T, Vd)
     # level 0 at prefix i predicts x_{i+2}: supervised where i+2 < T and x_{i+2} is an assistant token
     valid0 = torch.zeros(n, dtype=torch.bool, device=device)
     if T >= 3:
@@ -200,31 +202,26 @@ def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainC
     n = T - 1
     if T < 3 or not lmask[2:].any():
         return None
-    q = _target_probs(ex["final"].to(device), lm_head_w, d2t_ids)
-    lay = head.midlayer
+    q = teacher_probs(ex["final"].to(device), lm_head_w, d2t_ids)
     dt = head.fc.weight.dtype
-    hidden = head.fc(ex["aux"][None, :n].to(device, dt))  # (1, n, H)
+    hidden = ex["aux"][None, :n].to(device, dt)  # step 0 reads the target's aux states (B=1, n, 3H)
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     eye = torch.eye(n, dtype=torch.bool, device=device)
     ks, vs = [], []
     terms, correct, hit, valid = [], [], [], []
     for s in range(cfg.ttt_steps):
-        # inputs at step s, position i: token x_{i+1+s}; predicts x_{i+2+s} -> q_{i+1+s}
+        # inputs at step s, position i: token x_{i+1+s}; predicts x_{i+2+s} -> q_{i+1+s}. Position i
+        # attends causally to step-0 keys and to its own keys of steps 1..s: the chain of anchor i,
+        # exactly what the inference forward of step s sees (one head forward for all anchors)
         tok_idx = torch.arange(n, device=device) + 1 + s
         inb = tok_idx < T
         tok = ids[tok_idx.clamp_max(T - 1)]
-        x = torch.cat([lay.input_layernorm(emb(tok)[None].to(dt)), lay.hidden_norm(hidden)], -1)
         mask = torch.cat([causal] + [eye] * len(ks), dim=1)  # [K0 causal | K1..Ks own position]
-        if ks:
-            past = (torch.cat(ks, -2), torch.cat(vs, -2))
-            # the attention module appends the new keys after `past`: [K0 | K1..K_{s-1} | K_s]
-            attn, kv = lay.self_attn(x, torch.arange(n, device=device) + s, mask, past)
-        else:
-            attn, kv = lay.self_attn(x, torch.arange(n, device=device), causal, None)
+        past = (torch.cat(ks, -2), torch.cat(vs, -2)) if ks else None
+        _, h, kv = head(hidden, tok[None], torch.arange(n, device=device) + s, past_kv=past, attn_mask=mask,
+                        from_target=(s == 0), logits=False)
         ks.append(kv[0])
         vs.append(kv[1])
-        h = hidden + attn
-        h = h + lay.mlp(lay.post_attention_layernorm(h))
         tgt = torch.arange(n, device=device) + 1 + s
         ok = (tgt + 1 < T) & inb
         ok = ok & lmask[(tgt + 1).clamp_max(T - 1)]
@@ -344,16 +341,7 @@ def evaluate_head(target, head, features, kind: str = "dart", num: int = 64, anc
                     target.model.get_output_embeddings().weight.detach(), head.draft_to_target(), cfg, device)
 
 
-def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress: bool = True,
-               log=print, _stop_after: int | None = None) -> dict | None:
-    """Train a head on `features/train` (validation on `features/val`), write `out_dir/head` (official
-    layout), `out_dir/ckpt.pt` (resume state) and `out_dir/log.jsonl`. Returns the final summary.
-    `features`: a feature-cache folder, or {"train", "val"} datasets such as `online_features(...)`
-    (target in the loop)."""
-    from accelerate import Accelerator
-    from transformers import get_cosine_schedule_with_warmup
-
-    out = Path(out_dir)
+def _prepare_out(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write_test.{os.getpid()}"  # one per process: ranks probe the same folder
@@ -361,145 +349,173 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
         probe.unlink()
     except OSError as e:
         raise DartLabError(f"output folder {out} is not writable: {e.strerror}") from None
+
+
+def _datasets(features, cfg: TrainConfig, target):
+    """(train dataset, list of validation examples) from a cache folder or {"train", "val"}."""
     if isinstance(features, (str, Path)):
         train = FeatureDataset(Path(features) / "train")
         val_ds = FeatureDataset(Path(features) / "val") if (Path(features) / "val").is_dir() else None
     else:
         train, val_ds = features["train"], features.get("val")
     val = [val_ds[i] for i in range(min(cfg.val_examples, len(val_ds)))] if val_ds is not None else []
-    ex0 = train[0]
-    if ex0["aux"].shape[-1] != 3 * target.hidden_size:
-        raise DartLabError(f"features have aux width {ex0['aux'].shape[-1]}, the target needs {3 * target.hidden_size}")
+    width = train[0]["aux"].shape[-1]
+    if width != 3 * target.hidden_size:
+        raise DartLabError(f"features have aux width {width}, the target needs {3 * target.hidden_size}")
+    return train, val
+
+
+def _vocab_and_init(out: Path, cfg: TrainConfig, target, train):
+    """The draft vocabulary (kept from --init-from, else resumed, else counted) and the head to
+    continue from (None for a new head)."""
     vocab_path = out / "draft_vocab.pt"
-    init = None
     if cfg.init_from:
         init = (DartHead if cfg.kind == "dart" else Eagle3Head).load(cfg.init_from, target=target, device="cpu",
                                                                      dtype=torch.float32)
         if (init.cfg.draft_length, init.cfg.shifted) != (cfg.draft_length, cfg.shifted):
             raise DartLabError(f"{cfg.init_from} has draft_length {init.cfg.draft_length} / shifted {init.cfg.shifted}; "
                                f"the run asks for {cfg.draft_length} / {cfg.shifted}")
-        d2t_ids = init.draft_to_target().cpu()
-    elif vocab_path.is_file():
-        d2t_ids = torch.load(vocab_path)
-    else:
-        eos = sorted(target.eos_ids)
-        d2t_ids = draft_vocab_from_features(train, cfg.draft_vocab_size, target.vocab_size, always=eos)
-        _atomic_torch_save(d2t_ids, vocab_path)
+        return init.draft_to_target().cpu(), init
+    if vocab_path.is_file():
+        return torch.load(vocab_path), None
+    d2t_ids = draft_vocab_from_features(train, cfg.draft_vocab_size, target.vocab_size, always=sorted(target.eos_ids))
+    _atomic_torch_save(d2t_ids, vocab_path)
+    return d2t_ids, None
+
+
+def _save_state(path: Path, cfg: TrainConfig, head, opt, sched, step: int, elapsed: float, tokens_seen: int) -> None:
+    _atomic_torch_save({"config": asdict(cfg), "head": head.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "step": step, "elapsed": elapsed, "tokens_seen": tokens_seen}, path)
+
+
+def _step_sequences(objective, acc, train, cfg: TrainConfig, step: int) -> tuple[float, int, int]:
+    """Forward + backward of one step's sequences on this process. Data order and anchors depend
+    only on (seed, step), so resume == uninterrupted. Returns (loss sum, sequences used, tokens)."""
+    rank, world, N = acc.process_index, acc.num_processes, len(train)
+    epoch, k = divmod(step * cfg.seqs_per_step * world, N)
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    total, used, tokens = 0.0, 0, 0
+    with acc.autocast():
+        for b in range(cfg.seqs_per_step):
+            ex = train[perm[(k + b * world + rank) % N].item()]
+            r = objective(ex, g)
+            if r is None:
+                continue
+            acc.backward(r[0] / cfg.seqs_per_step)
+            total += r[0].item()
+            used += 1
+            tokens += int(ex["input_ids"].numel())
+    return total, used, tokens
+
+
+def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress: bool = True,
+               log=print, _stop_after: int | None = None) -> dict | None:
+    """Train a head on `features/train` (validation on `features/val`), write `out_dir/head` (official
+    layout), `out_dir/ckpt.pt` (resume state) and `out_dir/log.jsonl`. Returns the final summary.
+    `features`: a feature-cache folder, or {"train", "val"} datasets such as `online_features(...)`
+    (target in the loop)."""
+    out = Path(out_dir)
+    _prepare_out(out)
+    train, val = _datasets(features, cfg, target)
+    d2t_ids, init = _vocab_and_init(out, cfg, target, train)
 
     target.model.requires_grad_(False)  # frozen: only the head trains
     use_bf16 = cfg.autocast and (target.device.type == "cuda" or target.dtype == torch.bfloat16)
     acc = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=target.device.type == "cpu")
     device = acc.device
-    head = build_head(target, cfg, d2t_ids)
+    raw = build_head(target, cfg, d2t_ids)
     if init is not None:
-        head.load_state_dict(init.state_dict())
-    head = head.to(device)
+        raw.load_state_dict(init.state_dict())
+    raw = raw.to(device)
     emb = target.model.get_input_embeddings()
     lm_head_w = target.model.get_output_embeddings().weight.detach()
     d2t_dev = d2t_ids.to(device)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.999),
+    opt = torch.optim.AdamW([p for p in raw.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.999),
                             weight_decay=cfg.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, cfg.max_steps)
-    raw = head
     loss_fn = dart_loss if cfg.kind == "dart" else eagle3_loss
     # the objective is a module so that, under `accelerate launch`, the forward that builds the loss
     # runs through the DDP wrapper (gradient sync); on one process it is a thin shell
     objective, opt = acc.prepare(_Objective(raw, loss_fn, emb, lm_head_w, d2t_dev, cfg, device), opt)
-    step, elapsed, tokens_seen = 0, 0.0, 0
     ckpt = out / "ckpt.pt"
-    if ckpt.is_file():
-        st = torch.load(ckpt, weights_only=False)
-        if st["config"] != asdict(cfg):
-            raise DartLabError(f"{ckpt} was written with a different config; use a new --out or delete it")
-        raw.load_state_dict(st["head"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
-        step, elapsed, tokens_seen = st["step"], st["elapsed"], st["tokens_seen"]
-        log(f"resumed from step {step}")
-    logf = open(out / "log.jsonl", "a")
-    rank, world = acc.process_index, acc.num_processes
-    N = len(train)
-    bar = None
-    if progress and acc.is_main_process:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.kind}", unit="step")
+    step, elapsed, tokens_seen = _resume(ckpt, cfg, raw, opt, sched, log)
+    world = acc.num_processes
+    bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.kind}", unit="step") \
+        if progress and acc.is_main_process else None
     t_start = time.perf_counter() - elapsed
     raw.train()
-    last_val = {}
-    steps_here = 0
-    while step < cfg.max_steps:
-        if _stop_after is not None and steps_here >= _stop_after:  # tests: simulate a kill
-            logf.close()
-            return None
-        steps_here += 1
-        if cfg.time_budget_min:
-            over = torch.tensor(float((time.perf_counter() - t_start) / 60 >= cfg.time_budget_min), device=device)
-            if world > 1:  # every process stops at the same step, or the others hang in the gradient sync
-                over = acc.reduce(over, reduction="sum")
-            if over.item() > 0:
-                log(f"time budget reached at step {step}")
-                break
-        # data order and anchors depend only on (seed, step): resume == uninterrupted
-        epoch, k = divmod(step * cfg.seqs_per_step * world, N)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        total, used, step_tokens = 0.0, 0, 0
-        with acc.autocast():
-            for b in range(cfg.seqs_per_step):
-                idx = perm[(k + b * world + rank) % N].item()
-                ex = train[idx]
-                r = objective(ex, g)
-                if r is None:
-                    continue
-                acc.backward(r[0] / cfg.seqs_per_step)
-                total += r[0].item()
-                used += 1
-                step_tokens += int(ex["input_ids"].numel())
-        if world > 1:  # every process's sequences count
-            step_tokens = int(acc.reduce(torch.tensor(step_tokens, device=device), reduction="sum").item())
-        tokens_seen += step_tokens
-        if cfg.grad_clip:
-            acc.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        rec = {"step": step, "loss": total / max(used, 1), "lr": sched.get_last_lr()[0],
-               "elapsed_s": round(time.perf_counter() - t_start, 1), "tokens_seen": tokens_seen}
-        if val and (step % cfg.val_every == 0 or step == cfg.max_steps):
-            last_val = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
-            rec["val"] = last_val
-        if acc.is_main_process:
-            logf.write(json.dumps(rec) + "\n")
-            logf.flush()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", **({"tau": last_val.get("tau_chain")} if last_val else {}))
-            if step % cfg.save_every == 0 or step == cfg.max_steps:
-                _atomic_torch_save({"config": asdict(cfg), "head": raw.state_dict(), "opt": opt.state_dict(),
-                                    "sched": sched.state_dict(), "step": step, "elapsed": time.perf_counter() - t_start,
-                                    "tokens_seen": tokens_seen}, ckpt)
+    last_val, steps_here = {}, 0
+    with open(out / "log.jsonl", "a") as logf:
+        while step < cfg.max_steps:
+            if _stop_after is not None and steps_here >= _stop_after:  # tests: simulate a kill
+                return None
+            steps_here += 1
+            if cfg.time_budget_min:
+                over = torch.tensor(float((time.perf_counter() - t_start) / 60 >= cfg.time_budget_min), device=device)
+                if world > 1:  # every process stops at the same step, or the others hang in the gradient sync
+                    over = acc.reduce(over, reduction="sum")
+                if over.item() > 0:
+                    log(f"time budget reached at step {step}")
+                    break
+            total, used, step_tokens = _step_sequences(objective, acc, train, cfg, step)
+            if world > 1:  # every process's sequences count
+                step_tokens = int(acc.reduce(torch.tensor(step_tokens, device=device), reduction="sum").item())
+            tokens_seen += step_tokens
+            if cfg.grad_clip:
+                acc.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            rec = {"step": step, "loss": total / max(used, 1), "lr": sched.get_last_lr()[0],
+                   "elapsed_s": round(time.perf_counter() - t_start, 1), "tokens_seen": tokens_seen}
+            if val and (step % cfg.val_every == 0 or step == cfg.max_steps):
+                last_val = rec["val"] = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
+            if acc.is_main_process:
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", **({"tau": last_val.get("tau_chain")} if last_val else {}))
+                if step % cfg.save_every == 0 or step == cfg.max_steps:
+                    _save_state(ckpt, cfg, raw, opt, sched, step, time.perf_counter() - t_start, tokens_seen)
     if bar is not None:
         bar.close()
-    logf.close()
     if val and not last_val:
         last_val = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
     summary = {"config": asdict(cfg), "steps": step, "tokens_seen": tokens_seen,
-               "wall_time_s": round(time.perf_counter() - t_start, 1), "train_examples": N,
+               "wall_time_s": round(time.perf_counter() - t_start, 1), "train_examples": len(train),
                "features": "feature cache" if isinstance(features, (str, Path)) else "online (target in the loop)",
                "val_examples": len(val), "validation": last_val, "target": target.name,
                "device": str(device), "torch_threads": torch.get_num_threads(), "processes": world}
     if acc.is_main_process:
-        _atomic_torch_save({"config": asdict(cfg), "head": raw.state_dict(), "opt": opt.state_dict(),
-                            "sched": sched.state_dict(), "step": step, "elapsed": time.perf_counter() - t_start,
-                            "tokens_seen": tokens_seen}, ckpt)
+        _save_state(ckpt, cfg, raw, opt, sched, step, time.perf_counter() - t_start, tokens_seen)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        raw.to(torch.float32)
-        export = raw.__class__(raw.cfg)
-        export.load_state_dict(raw.state_dict())
-        export.to(torch.bfloat16).save(out / "head", extra_card=model_card(summary, raw))
+        _export(raw, out / "head", summary)
     return summary
+
+
+def _resume(ckpt: Path, cfg: TrainConfig, head, opt, sched, log) -> tuple[int, float, int]:
+    """Load the resume state if there is one: (step, elapsed seconds, tokens seen)."""
+    if not ckpt.is_file():
+        return 0, 0.0, 0
+    st = torch.load(ckpt, weights_only=False)
+    if st["config"] != asdict(cfg):
+        raise DartLabError(f"{ckpt} was written with a different config; use a new --out or delete it")
+    head.load_state_dict(st["head"])
+    opt.load_state_dict(st["opt"])
+    sched.load_state_dict(st["sched"])
+    log(f"resumed from step {st['step']}")
+    return st["step"], st["elapsed"], st["tokens_seen"]
+
+
+def _export(head, path: Path, summary: dict) -> None:
+    """The trained head as bf16 safetensors in the official layout, with its model card."""
+    head.to(torch.float32)
+    export = head.__class__(head.cfg)
+    export.load_state_dict(head.state_dict())
+    export.to(torch.bfloat16).save(path, extra_card=model_card(summary, head))
 
 
 def _norm_note(head) -> str:

@@ -16,12 +16,15 @@ import torch
 @dataclass
 class Tree:
     """tokens: (N,) long; parents: (N,) long with parents[0] = -1 and parents[i] < i.
-    depths: (N,) long, depth[0] = 0. scores: optional (N,) float (search score of each node)."""
+    depths: (N,) long, depth[0] = 0. scores: optional (N,) float (search score of each node).
+    ranks: optional (N,) long, the order in which a budgeted builder took each node (root -1): the
+    tree of any smaller budget n is exactly the nodes of rank < n (see `best_closed_tree`)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).cpu()
@@ -137,6 +140,7 @@ def best_closed_tree(root: int, tokens: np.ndarray, parents: np.ndarray, scores:
     par = parents[chosen_arr]
     tree = Tree(torch.as_tensor(np.concatenate([[root], tokens[chosen_arr]]).astype(np.int64)),
                 torch.as_tensor(np.concatenate([[-1], np.where(par < 0, 0, pos[np.maximum(par, 0)])]).astype(np.int64)),
-                scores=torch.as_tensor(np.concatenate([[0.0], scores[chosen_arr].astype(np.float64)])))
+                scores=torch.as_tensor(np.concatenate([[0.0], scores[chosen_arr].astype(np.float64)])),
+                ranks=torch.as_tensor(np.concatenate([[-1], rank[chosen_arr]]).astype(np.int64)))
     return tree, chosen_arr
 

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from dart_lab import load_target
-from dart_lab.bench import verify_latency
+from dart_lab.budget import measure_verify as verify_latency
 
 
 def main():

@@ -6,10 +6,9 @@ import sys
 import pytest
 
 from dart_lab import DartLabError
-from dart_lab import bench as bench_mod
 from dart_lab.bench import BenchConfig, run_bench
 from dart_lab.data import load_prompts
-from dart_lab.methods import MethodOptions
+from dart_lab.methods import MethodOptions, Runner
 
 OPTS = MethodOptions(random_heads=True, ngram_max_tokens=100_000, tree_nodes=16)
 
@@ -18,27 +17,29 @@ def test_bench_json_schema_and_resume(embedded, tmp_path, monkeypatch):
     cfg = BenchConfig(methods=("ar", "dart", "hf"), dataset="mt_bench", num_prompts=2, max_new_tokens=12,
                       warmup=1, model="smollm2-135m", device="cpu", dtype="fp32", options=OPTS)
     out = tmp_path / "b.json"
-    real = bench_mod._run_one
+    real = Runner.generate
     calls = {"n": 0}
 
-    def flaky(method, *a, **k):  # interrupt during the second prompt (after warm-up: 3 calls)
+    def flaky(self, *a, **k):  # interrupt during the second prompt (after warm-up: 3 calls)
         calls["n"] += 1
         if calls["n"] > 3 + 3 + 1:
             raise KeyboardInterrupt
-        return real(method, *a, **k)
+        return real(self, *a, **k)
 
-    monkeypatch.setattr(bench_mod, "_run_one", flaky)
+    monkeypatch.setattr(Runner, "generate", flaky)
     with pytest.raises(KeyboardInterrupt):
         run_bench(cfg, out, target=embedded, progress=False)
     partial = out.with_name(out.name + ".partial.jsonl")
     first = [json.loads(line)["row"] for line in partial.read_text().splitlines()]
     assert {r["method"] for r in first} == {"ar", "dart", "hf"} and not out.exists()
-    monkeypatch.setattr(bench_mod, "_run_one", real)
+    monkeypatch.setattr(Runner, "generate", real)
     res = run_bench(cfg, out, target=embedded, progress=False)
     assert out.exists() and not partial.exists()
     saved = json.loads(out.read_text())
     assert saved["config"]["methods"] == ["ar", "dart", "hf"]
     assert {"platform", "torch", "transformers", "device", "dtype"} <= set(saved["machine"])
+    load = saved["machine_load"]  # how busy the machine was with other work, and the verdict
+    assert {"others_cores", "own_cpu_s", "wall_s", "contended"} <= set(load) and load["own_cpu_s"] > 0
     for m in ("ar", "dart", "hf"):
         d = saved["methods"][m]
         for k in ("tokens_per_s", "tau", "speedup_vs_ar", "draft_ms", "search_ms", "verify_ms", "match_ar",

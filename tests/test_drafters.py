@@ -9,9 +9,8 @@ from safetensors.torch import save_file
 
 from conftest import tiny_model, tiny_target
 from dart_lab import DartLabError, GenerationConfig, generate
-from dart_lab.draft_head import DartHead, HeadConfig
-from dart_lab.drafters import DartDrafter, PLDDrafter, SPSDrafter
-from dart_lab.eagle3 import Eagle3Drafter, Eagle3Head, Eagle3TreeConfig
+from dart_lab.draft_head import DartHead, Eagle3Head, HeadConfig
+from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter
 from dart_lab.methods import MethodOptions, make_drafter, random_head
 from dart_lab.ngram import NGram
 from dart_lab.search import TreeSearchConfig

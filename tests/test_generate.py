@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 from conftest import tiny_target
 from drafters_for_tests import OracleDrafter, RandomDrafter
 from dart_lab import GenerationConfig, Tree, generate
-from dart_lab import verify as verify_mod
+from dart_lab.acceptance import sample_accept, target_probs
 
 
 def test_greedy_oracle_and_random_drafts_match_ar(tiny):
@@ -56,9 +56,9 @@ def exact_two_token_law(target, prompt, cfg):
     """P(t1, t2) under AR sampling, from exact target probabilities: (V, V)."""
     V = target.vocab_size
     with torch.no_grad():
-        p1 = verify_mod.target_probs(target.model(prompt[None]).logits[0, -1:], cfg)[0]
+        p1 = target_probs(target.model(prompt[None]).logits[0, -1:], cfg)[0]
         seqs = torch.cat([prompt.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
-        p2 = verify_mod.target_probs(target.model(seqs).logits[:, -1], cfg)
+        p2 = target_probs(target.model(seqs).logits[:, -1], cfg)
     return p1[:, None] * p2
 
 
@@ -104,7 +104,7 @@ def test_sample_accept_marginals_with_fixed_probs():
     probs = torch.softmax(torch.randn(len(tree), V, generator=g), dim=-1)
     n, first, second = 20000, torch.zeros(V), torch.zeros(V)
     for _ in range(n):
-        path, bonus = verify_mod.sample_accept(tree, probs, g)
+        path, bonus = sample_accept(tree, probs, g)
         emitted = tree.tokens[path[1:]].tolist() + [bonus]
         first[emitted[0]] += 1
         if len(path) > 1 and path[1] == 1:  # accepted child token 1 at node 1
@@ -122,4 +122,4 @@ def test_target_probs_match_hf_warpers():
     x = TemperatureLogitsWarper(0.8)(None, logits.clone())
     x = TopKLogitsWarper(10)(None, x)
     x = TopPLogitsWarper(0.7)(None, x)
-    torch.testing.assert_close(verify_mod.target_probs(logits, cfg), torch.softmax(x, -1))
+    torch.testing.assert_close(target_probs(logits, cfg), torch.softmax(x, -1))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dart_lab import reproduce as rp
+from dart_lab import tables as rp
 from dart_lab.ngram import write_trie
 from dart_lab.presets import PRESETS, Preset, get_preset
 from test_drafters import write_official_checkpoint

@@ -6,7 +6,9 @@ from hypothesis import strategies as st
 from conftest import tiny_target
 from dart_lab import Tree
 
-TARGETS = {arch: tiny_target(arch) for arch in ("llama", "qwen3")}
+# the HF public-forward runner and the lean runner, each held against the model's own forward
+TARGETS = {f"{arch}-{runner}": tiny_target(arch, runner=runner)
+           for arch in ("llama", "qwen3", "qwen2") for runner in ("hf", "fast")}
 
 
 @st.composite
@@ -59,7 +61,7 @@ def test_commit_equals_recompute(arch, case, data):
 
 
 def test_aux_layers_are_inputs_of_layers_2_mid_and_L_minus_3():
-    target = TARGETS["llama"]
+    target = TARGETS["llama-hf"]  # a pre-hook on the decoder layer: the HF runner calls it
     L = target.num_layers
     assert target.aux_layers == (2, L // 2, L - 3)
     # hidden_states[i] is the input of decoder layer i: check with a forward pre-hook on layer L//2

@@ -9,8 +9,8 @@ from conftest import tiny_target
 from dart_lab import DartLabError
 from dart_lab.data import iter_sharegpt
 from dart_lab.features import FeatureDataset, write_features
-from dart_lab.train import (TrainConfig, _kl, _target_probs, acceptance_stats, build_head, dart_block_layout,
-                            dart_loss, train_head)
+from dart_lab.train import (TrainConfig, _kl, acceptance_stats, build_head, dart_block_layout, dart_loss,
+                            eagle3_loss, teacher_probs, train_head)
 
 
 def test_kl_of_draft_equal_to_target_is_zero():
@@ -24,7 +24,7 @@ def test_restricted_target_law_equals_renormalised_full_softmax():
     final, w = torch.randn(5, 16), torch.randn(40, 16)
     ids = torch.tensor([1, 3, 8, 20, 39])
     full = torch.softmax(final @ w.t(), -1)[:, ids]
-    torch.testing.assert_close(_target_probs(final, w, ids), full / full.sum(-1, keepdim=True))
+    torch.testing.assert_close(teacher_probs(final, w, ids), full / full.sum(-1, keepdim=True))
 
 
 def test_block_mask_sees_own_prefix_and_earlier_masks_of_its_block():
@@ -90,7 +90,7 @@ def test_block_training_loss_equals_loss_of_inference_forwards(tiny_features, sh
     loss, _ = dart_loss(head, ex, emb, w, d2t, cfg, torch.Generator().manual_seed(0), "cpu")
     ids, lm = ex["input_ids"].long(), ex["loss_mask"]
     T = ids.numel()
-    q = _target_probs(ex["final"], w, d2t)
+    q = teacher_probs(ex["final"], w, d2t)
     per_level = {j: [] for j in range(4)}
     for i in range(T - 2):
         if not lm[i + 2]:
@@ -102,6 +102,40 @@ def test_block_training_loss_equals_loss_of_inference_forwards(tiny_features, sh
             if i + 2 + j < T and lm[i + 2 + j]:
                 per_level[j].append(_kl(q[i + 1 + j][None], logits[0, j][None])[0])
     ref = sum(0.7 ** j * torch.stack(v).mean() for j, v in per_level.items() if v)
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_eagle3_training_loss_equals_loss_of_inference_forwards(tiny_features):
+    """The batched training-time-test unroll (all anchors in one forward per step, [K0 causal | own
+    keys of earlier steps]) gives, for every anchor, the logits of running its chain through the
+    head the way the drafter does: the prefix, then one token at a time on the head's own output."""
+    target, root = tiny_features
+    ex = FeatureDataset(root / "train")[1]
+    d2t = torch.arange(target.vocab_size)
+    emb, w = target.model.get_input_embeddings(), target.model.get_output_embeddings().weight.detach()
+    cfg = TrainConfig(kind="eagle3", ttt_steps=3, ttt_decay=0.8, draft_vocab_size=target.vocab_size)
+    head = build_head(target, cfg, d2t).eval()
+    loss, _ = eagle3_loss(head, ex, emb, w, d2t, cfg, torch.Generator().manual_seed(0), "cpu")
+    ids, lm = ex["input_ids"].long(), ex["loss_mask"]
+    T = ids.numel()
+    q = teacher_probs(ex["final"], w, d2t)
+    per_step = {s: [] for s in range(cfg.ttt_steps)}
+    with torch.no_grad():
+        for i in range(T - 1):
+            logits, h, past = head(ex["aux"][None, :i + 1].float(), ids[None, 1:i + 2], torch.arange(i + 1))
+            logits, h = logits[:, -1:], h[:, -1:]
+            for s in range(cfg.ttt_steps):
+                if s:  # one more token on the chain: the head's own output and the token it predicted for
+                    if i + 1 + s >= T:
+                        break
+                    logits, h, kv = head(h, ids[None, i + 1 + s:i + 2 + s], torch.tensor([i + s]), past_kv=past,
+                                         from_target=False)
+                    past = (torch.cat([past[0], kv[0]], -2), torch.cat([past[1], kv[1]], -2))
+                tgt = i + 1 + s
+                if tgt + 1 < T and lm[tgt + 1]:
+                    per_step[s].append(-(q[tgt] * torch.log_softmax(logits[0, 0].float(), -1)).sum())
+    ref = sum(0.8 ** s * torch.stack(v).mean() for s, v in per_step.items() if v)
+    assert len(per_step[2]) > 5
     torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -264,7 +298,7 @@ def test_cli_train_under_accelerate_launch_runs_two_processes(tiny_features, emb
     import sys
 
     from conftest import tiny_model
-    from dart_lab.target import build_plain_cache
+    from dart_lab.loading import build_plain_cache
 
     _, root = tiny_features
     model_dir = build_plain_cache(tiny_model("llama"), embedded.tokenizer, tmp_path / "tiny", source="test")

@@ -3,7 +3,7 @@
 Every benchmark cell (dataset x temperature) is one `run_bench` call whose JSON is cached under
 results_dir/bench/ by the hash of its full config, so a rerun computes only what is missing.
 Tables are written as CSV + Markdown, figures as plotly HTML; the paper's numbers (arXiv 2601.19278,
-reproduce/paper_tables.json) stand beside ours with the ratio ours / paper.
+dart_lab/paper/paper_tables.json) stand beside ours with the ratio ours / paper.
 """
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import json
 from pathlib import Path
 
 from .bench import BenchConfig, run_bench
+from .loading import load_target
+from .methods import get_method
 from .presets import get_preset
 
-PAPER_TABLES = Path(__file__).resolve().parent.parent / "reproduce" / "paper_tables.json"
+PAPER_TABLES = Path(__file__).resolve().parent / "paper" / "paper_tables.json"  # package data
 
 
 def paper_tables(path: str | Path | None = None) -> dict:
@@ -36,7 +38,7 @@ def run_cells(preset, datasets, methods, num_prompts: int, max_new_tokens: int, 
     results = []
     for ds in datasets:
         for temp in temperatures:
-            ms = tuple(m for m in methods if not (temp > 0 and m in ("hf-pld",)))
+            ms = tuple(m for m in methods if temp == 0 or get_method(m).samples)
             cfg = BenchConfig(methods=ms, dataset=ds, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                               temperature=float(temp), model=pre.model, dtype=pre.dtype,
                               options=pre.options(**option_overrides))
@@ -45,8 +47,6 @@ def run_cells(preset, datasets, methods, num_prompts: int, max_new_tokens: int, 
                 res = json.loads(path.read_text())
             else:
                 if target is None:
-                    from .target import load_target
-
                     target = load_target(pre.model, dtype=pre.dtype)
                 res = run_bench(cfg, path, target=target, progress=progress)
             res["_file"] = str(path)

@@ -1,0 +1,131 @@
+"""The tree budget theta, chosen from measured cost (beyond the paper: the released code fixes 60).
+
+    expected speed(theta) = tau(theta) / (t_verify(theta + 1) + t_draft + t_search)   [tokens / ms]
+    AR speed              = 1 / t_verify(1)
+
+t_verify(N) is measured once per target, device, dtype, runner and machine (`cost_curve`, cached on
+disk with that fingerprint). tau(theta) -- tokens per step with a tree of theta drafted nodes -- comes
+from ONE decode at the widest budget: both tree builders take nodes in rank order (`tree.best_closed_tree`),
+so the tree of any smaller budget is exactly the nodes of rank < theta, and at T=0 the path it
+would have accepted is the prefix of the accepted path whose ranks are < theta
+(`acceptance_profile`). The runner takes the theta with the best expected speed, or plain AR steps
+when no theta beats AR (and says so), and keeps updating tau from the steps it decodes.
+On a GPU t_verify is nearly flat in N and theta comes out large; on a 2-core CPU it does not.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .assets import cache_dir
+from .atomic import write_json
+from .target import sync
+from .tree import Tree
+
+# short generic requests, none from a benchmark set: the calibration decode must not see test prompts
+CALIBRATION_PROMPTS = ("Explain how a refrigerator keeps food cold.",
+                       "Write a short story about a lighthouse keeper.",
+                       "What are the pros and cons of remote work?")
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    sizes: tuple = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verify sizes measured (nodes incl. the root)
+    repeats: int = 7  # timed verifies per size (median)
+    prompt_len: int = 128  # committed context during the timing
+    max_nodes: int = 63  # widest tree probed in the calibration decode (drafted nodes)
+    calibration_tokens: int = 48  # per calibration prompt
+
+
+def fingerprint(target) -> dict:
+    """What the verify cost depends on; the cache key of a cost curve."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    dev = target.device
+    if dev.type == "cuda":
+        cpu = torch.cuda.get_device_name(dev)
+    return {"device": str(dev.type), "hardware": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "target": target.name, "layers": target.num_layers,
+            "hidden": target.hidden_size, "dtype": str(target.dtype), "runner": getattr(target, "runner", "hf")}
+
+
+@torch.no_grad()
+def measure_verify(target, sizes, repeats: int = 7, prompt_len: int = 128) -> dict[int, float]:
+    """Median wall ms of one verify of an N-node tree (a chain; cost depends on N, not on shape)
+    after `prompt_len` committed tokens, each size measured interleaved with the others."""
+    g = torch.Generator().manual_seed(0)
+    V = min(target.vocab_size, 1000)
+    target.prefill(torch.randint(3, V, (prompt_len,), generator=g))
+    times = {n: [] for n in sizes}
+    for r in range(repeats + 1):  # round 0 warms up
+        for n in sizes:
+            tree = Tree(torch.randint(3, V, (n,), generator=g), torch.arange(-1, n - 1))
+            sync(target.device)
+            t = time.perf_counter()
+            target.verify(tree)
+            sync(target.device)
+            if r:
+                times[n].append((time.perf_counter() - t) * 1e3)
+            target.commit([0])
+            target.truncate(prompt_len)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -> dict:
+    """{"fingerprint", "verify_ms": {N: ms}} for this target and machine, measured once and cached."""
+    fp = fingerprint(target)
+    key = hashlib.sha256(json.dumps([fp, asdict(cfg)], sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "cost" / f"{key}.json"
+    if cache and path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            return {"fingerprint": d["fingerprint"], "verify_ms": {int(k): v for k, v in d["verify_ms"].items()},
+                    "cached": True}
+        except (OSError, ValueError, KeyError):
+            pass
+    ms = measure_verify(target, cfg.sizes, cfg.repeats, cfg.prompt_len)
+    out = {"fingerprint": fp, "verify_ms": ms}
+    if cache:
+        write_json(path, out)
+    return {**out, "cached": False}
+
+
+def interpolate(curve: dict[int, float], n: int) -> float:
+    """Verify ms at n nodes, linear between measured sizes (flat beyond the ends)."""
+    xs = sorted(curve)
+    if n <= xs[0]:
+        return curve[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if n <= b:
+            return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
+    return curve[xs[-1]] * n / xs[-1]  # beyond the widest measured tree: grow proportionally
+
+
+def acceptance_profile(steps: list[dict], max_nodes: int) -> list[float]:
+    """tau(theta) for theta = 0..max_nodes from decode steps that recorded `path_ranks` (T=0): a step
+    emits 1 + (accepted nodes of rank < theta) tokens with a budget of theta."""
+    ranked = [s["path_ranks"] for s in steps if "path_ranks" in s]
+    if not ranked:
+        return [1.0] * (max_nodes + 1)
+    return [1.0 + sum(sum(1 for r in rs if r < th) for rs in ranked) / len(ranked) for th in range(max_nodes + 1)]
+
+
+def choose_budget(tau: list[float], verify_ms: dict[int, float], overhead_ms: float) -> dict:
+    """The theta with the best expected speed; theta 0 (plain AR steps) when none beats AR."""
+    ar = 1.0 / interpolate(verify_ms, 1)
+    speed = [ar] + [tau[th] / (interpolate(verify_ms, th + 1) + overhead_ms) for th in range(1, len(tau))]
+    best = max(range(len(speed)), key=lambda th: (speed[th], -th))
+    return {"theta": best, "expected_speedup_vs_ar": speed[best] / ar,
+            "expected_speedup_by_theta": [round(v / ar, 4) for v in speed], "overhead_ms": overhead_ms,
+            "fallback_to_ar": best == 0}

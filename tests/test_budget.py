@@ -1,0 +1,84 @@
+"""The tree budget: the tree of a smaller budget is the best-ranked part of a bigger one, so one
+decode at the widest budget tells the accepted length at every smaller budget; theta is chosen by
+expected speed and falls back to AR when nothing beats it."""
+import torch
+
+from conftest import tiny_target
+from dart_lab import GenerationConfig, generate, greedy_accept
+from dart_lab.budget import acceptance_profile, choose_budget, interpolate
+from dart_lab.drafters import Eagle3Drafter, Eagle3TreeConfig
+from dart_lab.methods import MethodOptions, make_runner, random_head
+from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
+
+
+def _paths(tree, nodes):
+    toks = tree.tokens.tolist()
+    return {tuple(toks[j] for j in tree.path_to(i)[1:]) for i in nodes}
+
+
+def test_smaller_budget_is_the_best_ranked_subtree_and_its_accepted_prefix():
+    target = tiny_target("llama")
+    prompt = [5, 9, 14, 5, 9, 22, 31]
+    chain = generate(target, torch.tensor(prompt), None, GenerationConfig(max_new_tokens=9, stop_on_eos=False)).tokens
+    ids = prompt + chain[:1]  # the root is the first new token; level j drafts chain[j + 1]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 96, generator=g) * 2
+    for j, boost in enumerate((6, 4.5, 5, 4.5, 5, 4.5, 5, 4.5)):  # the target's own continuation among
+        logits[j, chain[j + 1]] += boost  # the candidates, not always on top: accepted nodes of mixed ranks
+    logp, toks = topk_levels(logits, 25)
+    big = tree_search(logp, toks, ids, None, TreeSearchConfig(max_nodes=40))
+    target.prefill(torch.tensor(ids[:-1]))
+    path, _ = greedy_accept(big, target.verify(big).logits)
+    target.commit([0])
+    assert len(path) > 2 and max(big.ranks[path].tolist()) > 8  # several accepted, some ranked low
+    ranks = big.ranks.tolist()
+    for theta in (1, 3, 8, 20):
+        small = tree_search(logp, toks, ids, None, TreeSearchConfig(max_nodes=theta))
+        assert _paths(small, range(1, len(small))) == _paths(big, [i for i in range(1, len(big)) if ranks[i] < theta])
+        p_small, _ = greedy_accept(small, target.verify(small).logits)
+        target.commit([0])
+        assert len(p_small) - 1 == sum(1 for i in path[1:] if ranks[i] < theta)
+
+
+def test_eagle3_smaller_budget_is_the_best_ranked_subtree():
+    target = tiny_target("qwen3")
+    head = random_head(target, "eagle3")
+    ids, aux = [3, 4, 5, 6], torch.randn(4, 3 * target.hidden_size)
+
+    def tree_for(total):
+        d = Eagle3Drafter(head, Eagle3TreeConfig(total_tokens=total, depth=3, topk=4))
+        d.begin(target, ids, aux)
+        return d.propose(ids)
+
+    big = tree_for(41)
+    ranks = big.ranks.tolist()
+    for theta in (2, 7, 19):
+        small = tree_for(theta + 1)
+        assert _paths(small, range(1, len(small))) == _paths(big, [i for i in range(1, len(big)) if ranks[i] < theta])
+
+
+def test_profile_and_choice():
+    steps = [{"path_ranks": [0, 2, 9]}, {"path_ranks": []}, {"path_ranks": [1]}, {"accept_len": 0}]
+    tau = acceptance_profile(steps, 10)
+    assert tau[0] == 1.0 and tau[1] == 1 + 1 / 3 and tau[3] == 1 + 3 / 3 and tau[10] == 1 + 4 / 3
+    flat = {1: 10.0, 64: 10.0}
+    assert choose_budget(tau, flat, 0.0)["theta"] == 10  # GPU-like: the widest useful tree
+    steep = {1: 10.0, 2: 30.0, 64: 600.0}
+    c = choose_budget(tau, steep, 0.0)
+    assert c["theta"] == 0 and c["fallback_to_ar"]  # nothing beats AR: plain AR steps
+    assert interpolate({1: 1.0, 3: 3.0}, 2) == 2.0
+
+
+def test_auto_budget_runner_stays_lossless_and_records_its_choice():
+    target = tiny_target("llama")
+    opts = MethodOptions(random_heads=True, ngram_max_tokens=1000)
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    ar = make_runner("ar", target).generate(prompt, cfg)
+    for name in ("dart-no-ngram", "eagle3"):
+        r = make_runner(name, target, opts)
+        b = r.config()["tree_budget"]
+        assert 0 <= b["theta"] <= 63 and len(b["tau_by_theta"]) == 64 and b["verify_ms"]
+        res = r.generate(prompt, cfg)
+        assert res.tokens == ar.tokens and res.method == name
+        assert res.config["tree_budget"]["theta"] == r.budget["theta"]

@@ -1,0 +1,54 @@
+"""The lean Llama-family runner: chosen automatically where it applies, refused in one line where
+not; its cache grows and follows dtype changes without changing results. (Its logits, aux states and
+compaction are held against the model's own forward in test_target.py, like the HF runner's.)"""
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from conftest import tiny_model
+from dart_lab import DartLabError, GenerationConfig, Tree, generate
+from dart_lab.fast_llama import FastTarget
+from dart_lab.loading import make_target
+from dart_lab.target import Target
+
+
+def test_auto_picks_the_fast_runner_for_the_llama_family_only():
+    for arch in ("llama", "qwen3", "qwen2"):
+        assert isinstance(make_target(tiny_model(arch)), FastTarget)
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=512, sliding_window=16))
+    t = make_target(windowed)
+    assert type(t) is Target and t.runner == "hf"
+    with pytest.raises(DartLabError, match="sliding-window"):
+        make_target(windowed, runner="fast")
+
+
+def test_cache_growth_and_dtype_change_keep_results():
+    model = tiny_model("llama")
+    fast, ref = make_target(model, runner="fast"), make_target(model, runner="hf")
+    fast.capacity_step = 4  # force several reallocations
+    cfg = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    assert generate(fast, prompt, None, cfg).tokens == generate(ref, prompt, None, cfg).tokens
+    out = fast.prefill(prompt, all_logits=False)
+    assert out.logits.shape == (1, fast.vocab_size)
+    torch.testing.assert_close(out.logits[0], ref.prefill(prompt).logits[-1], atol=1e-4, rtol=1e-4)
+    model.to(torch.bfloat16)  # the runner follows the model's dtype (cache reallocated)
+    out = fast.prefill(prompt)
+    assert fast._k.dtype == torch.bfloat16
+    with torch.no_grad():
+        want = model(prompt[None]).logits[0].float()
+    torch.testing.assert_close(out.logits, want, atol=0.1, rtol=0.05)
+
+
+def test_truncate_drops_speculative_entries():
+    t = make_target(tiny_model("qwen3"), runner="fast")
+    t.prefill(torch.tensor([3, 4, 5]))
+    t.verify(Tree(torch.tensor([6, 7]), torch.tensor([-1, 0])))
+    t.commit([0, 1])
+    t.truncate(3)
+    a = t.verify(Tree.single(9)).logits[0]
+    t.commit([0])
+    t.prefill(torch.tensor([3, 4, 5]))
+    torch.testing.assert_close(a, t.verify(Tree.single(9)).logits[0])
