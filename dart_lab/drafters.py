@@ -73,8 +73,11 @@ class DartDrafter(HeadDrafter):
     @torch.no_grad()
     def draft_logits(self) -> torch.Tensor:
         """(draft_length + 1, Vd) logits for levels 0..draft_length; feeds the pending prefix."""
-        aux, nxt, positions = self.feed_inputs(self.head.cfg.n_masks)
-        logits, kv = self.head(aux, nxt, positions, past_kv=self.kv)
+        m = self.head.cfg.n_masks
+        if self.search.max_nodes:  # exact: masks beyond the deepest level a tree of this budget can hold
+            m = min(m, self.search.max_nodes - (1 if self.head.cfg.shifted else 0))
+        aux, nxt, positions = self.feed_inputs(m)
+        logits, kv = self.head(aux, nxt, positions, past_kv=self.kv, n_masks=m)
         self.keep_prefix_kv(kv)
         return logits[0]
 

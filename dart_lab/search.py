@@ -86,6 +86,7 @@ def search_nodes(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram
 
 def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool):
     D = logp.shape[0] if not cfg.max_depth else min(cfg.max_depth, logp.shape[0])
+    D = min(D, max(cfg.max_nodes, 1))  # exact: a node at depth d needs d - 1 kept ancestors
     K = tokens.shape[1]
     f32 = np.float32
     logp = np.asarray(logp, dtype=f32)
