@@ -17,7 +17,7 @@ from .errors import DartLabError
 ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
         "bing": "assistant", "assistant": "assistant", "system": "system"}
 
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca")
+DATASETS = ("mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca", "copy_edit")
 # the paper's evaluation sets on the hub (used only where the hub is reachable)
 HUB_DATASETS = {
     "hub:alpaca": ("tatsu-lab/alpaca", "train", "instruction"),
@@ -85,6 +85,8 @@ def load_prompts(name: str, n: int | None = None) -> list[dict]:
         for r in _read_jsonl(_data_file("alpaca_seed_tasks.jsonl")):
             inst = (r.get("instances") or [{}])[0]
             rows.append({"id": r["id"], "category": "alpaca", "prompt": _with_input(r["instruction"], inst.get("input", ""))})
+    elif name == "copy_edit":
+        rows = _copy_edit_prompts()
     elif name.startswith("jsonl:"):
         rows = _jsonl_prompts(Path(name[len("jsonl:"):]).expanduser())
     elif name in HUB_DATASETS:
@@ -95,6 +97,29 @@ def load_prompts(name: str, n: int | None = None) -> list[dict]:
     if not rows:
         raise DartLabError(f"dataset {name!r} has no prompts")
     return rows if n is None else rows[:n]
+
+
+def _copy_edit_prompts() -> list[dict]:
+    """A copy-heavy set (built from the shared data, for the context-aware extension): "rewrite this
+    function" over HumanEval solutions, alternating with "summarise this passage" over the longest
+    Alpaca / CodeAlpaca inputs (>= 300 characters)."""
+    rewrite = [{"id": f"rewrite-{r['task_id']}", "category": "rewrite",
+                "prompt": "Rewrite the following Python function with clearer variable names and a docstring, "
+                          "keeping its behaviour:\n\n" + r["prompt"] + r["canonical_solution"]}
+               for r in _read_jsonl(embedded_file("humaneval"))]
+    passages = []
+    for r in _read_jsonl(_data_file("alpaca_seed_tasks.jsonl")):
+        inp = (r.get("instances") or [{}])[0].get("input", "")
+        passages.append((r["id"], inp))
+    code = json.loads(_data_file("code_alpaca_2k.json").read_text(encoding="utf-8"))
+    passages += [(f"code-alpaca-{i}", x.get("input", "")) for i, x in enumerate(code)]
+    summarise = [{"id": f"summarise-{pid}", "category": "summarise",
+                  "prompt": "Summarise this passage:\n\n" + text}
+                 for pid, text in sorted(passages, key=lambda x: (-len(x[1]), x[0])) if len(text) >= 300]
+    rows = []
+    for i in range(max(len(rewrite), len(summarise))):
+        rows += ([rewrite[i]] if i < len(rewrite) else []) + ([summarise[i]] if i < len(summarise) else [])
+    return rows
 
 
 def _data_file(name: str) -> Path:

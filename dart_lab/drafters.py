@@ -17,7 +17,8 @@ import torch
 
 from .errors import DartLabError
 from .generate import Drafter
-from .search import TreeSearchConfig, topk_levels, tree_search
+from .ngram import NGram
+from .search import TreeSearchConfig, topk_levels, tree_search, tree_search_with_paths
 from .target import Target, sync
 from .tree import Tree, best_closed_tree
 
@@ -100,6 +101,21 @@ class DartDrafter(HeadDrafter):
                 "ngram": getattr(self.ngram, "meta", None)}
 
 
+def copy_chain(ids: list[int], max_ngram: int, length: int) -> list[int]:
+    """Prompt lookup: the `length` tokens that followed the most recent earlier occurrence of the last
+    n tokens of `ids` (n = max_ngram..1, longest match first); [] if none."""
+    a = np.asarray(ids, dtype=np.int64)
+    L = a.size
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        win = np.lib.stride_tricks.sliding_window_view(a[:L - 1], n)  # windows ending before the suffix
+        hits = np.flatnonzero((win == a[L - n:]).all(axis=1))
+        if hits.size:
+            chain = a[hits[-1] + n:hits[-1] + n + length].tolist()
+            if chain:
+                return chain
+    return []
+
+
 class PLDDrafter(Drafter):
     """Prompt lookup decoding (Saxena 2023): find the most recent earlier occurrence of the last
     n tokens (n = max_ngram..1) and propose the `num_pred` tokens that followed it, as a chain."""
@@ -112,18 +128,7 @@ class PLDDrafter(Drafter):
 
     def propose(self, ids):
         t0 = time.perf_counter()
-        a = np.asarray(ids, dtype=np.int64)
-        L = a.size
-        chain: list[int] = []
-        for n in range(min(self.max_ngram, L - 1), 0, -1):
-            suffix = a[L - n:]
-            win = np.lib.stride_tricks.sliding_window_view(a[:L - 1], n)  # windows ending before the suffix
-            hits = np.flatnonzero((win == suffix).all(axis=1))
-            if hits.size:
-                start = hits[-1] + n
-                chain = a[start:start + self.num_pred].tolist()
-                if chain:
-                    break
+        chain = copy_chain(ids, self.max_ngram, self.num_pred)
         self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0}
         return Tree.from_paths(ids[-1], [chain]) if chain else Tree.single(ids[-1])
 
@@ -277,3 +282,76 @@ class Eagle3Drafter(HeadDrafter):
 
     def config(self) -> dict:
         return {"name": self.name, "tree": dataclasses.asdict(self.tree_cfg), "head": dataclasses.asdict(self.head.cfg)}
+
+
+# ----------------------------------------------------------------------------- beyond the paper
+@dataclass(frozen=True)
+class ContextConfig:
+    """dart-ctx: DART that also reads the text in front of it.
+    w_context: the search's n-gram = (1 - w) corpus table + w request-local table (prompt + every
+        committed token, same order and back-off); 0 = the corpus table alone.
+    copy: the prompt-lookup continuation of the last match joins the candidate list as a path scored
+        by the search's own formula with draft probability `copy_p` at every level (so it competes on
+        the same scale as the head's guesses instead of replacing them)."""
+
+    w_context: float = 0.5
+    copy: bool = True
+    copy_p: float = 0.5
+    copy_max_ngram: int = 3
+    copy_len: int = 10
+
+
+class MixedNGram:
+    """p(t | a, b) = (1 - w) corpus(t | a, b) + w local(t | a, b); the `NGram.prob` interface."""
+
+    def __init__(self, corpus, local, w: float):
+        self.corpus, self.local, self.w = corpus, local, w
+
+    def prob(self, ctx, tokens):
+        p = self.local.prob(ctx, tokens)
+        return p if self.corpus is None else (1.0 - self.w) * self.corpus.prob(ctx, tokens) + self.w * p
+
+
+class ContextDrafter(DartDrafter):
+    """The DART head and the released search, plus a request-local n-gram and copy candidates
+    (ContextConfig). With w_context = 0 and copy off it drafts exactly what `dart` drafts."""
+
+    name = "dart-ctx"
+
+    def __init__(self, head, ngram=None, search: TreeSearchConfig = TreeSearchConfig(),
+                 ctx: ContextConfig = ContextConfig(), name: str | None = None):
+        super().__init__(head, ngram, search, name=name)
+        self.ctx = ctx
+
+    def _copy_path(self, ids: list[int], ngram) -> list[tuple[list[int], np.ndarray]]:
+        c, cfg = self.ctx, self.search
+        chain = copy_chain(ids, c.copy_max_ngram, c.copy_len) if c.copy else []
+        if not chain:
+            return []
+        f32 = np.float32
+        lvl = np.arange(len(chain))
+        inc = np.log(f32(c.copy_p) + f32(cfg.eps)) * (cfg.logit_decay ** lvl).astype(f32)
+        if ngram is not None and cfg.w_ngram and len(chain) > 1:
+            full = ids + chain
+            L = len(ids)
+            rows = np.array([[full[L + i - 2], full[L + i - 1]] for i in range(1, len(chain))], dtype=np.int64)
+            p = ngram.prob(rows, np.asarray(chain[1:], dtype=np.int64)[:, None])[:, 0].astype(f32)
+            inc[1:] += np.log(p + f32(cfg.eps)) * f32(cfg.w_ngram)
+        score = np.cumsum(((lvl + 1.0) ** -cfg.level_exponent).astype(f32) * inc, dtype=np.float32)
+        return [(chain, score)]
+
+    def propose(self, ids):
+        t0 = time.perf_counter()
+        logits = self.draft_logits()
+        logp, toks = topk_levels(logits, self.search.topk, self._d2t)
+        t1 = time.perf_counter()
+        ngram = self.ngram
+        if self.ctx.w_context > 0:
+            local = NGram.from_sequences([ids], self.head.cfg.vocab_size)
+            ngram = MixedNGram(self.ngram, local, self.ctx.w_context if self.ngram is not None else 1.0)
+        tree = tree_search_with_paths(logp, toks, ids, ngram, self.search, self.eos, self._copy_path(ids, ngram))
+        self.last_timing = {"draft_ms": (t1 - t0) * 1e3, "search_ms": (time.perf_counter() - t1) * 1e3}
+        return tree
+
+    def config(self) -> dict:
+        return {**super().config(), "context": dataclasses.asdict(self.ctx)}

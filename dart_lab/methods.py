@@ -22,7 +22,8 @@ from .atomic import write_json
 from .budget import CALIBRATION_PROMPTS, BudgetConfig, choose_budget, cost_curve
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
-from .drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter
+from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
+                       SPSDrafter)
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, generate, hf_generate
 from .loading import load_target
@@ -138,6 +139,18 @@ def _dart(target, opts, cache):
 
 def _dart_no_ngram(target, opts, cache):
     return DartDrafter(_dart_head(target, opts, cache), None, _search(opts, w_ngram=0.0), name="dart-no-ngram")
+
+
+def _dart_ctx(w_context: float, copy: bool):
+    """dart-ctx and its ablations: the request-local n-gram (w_context) and copy candidates."""
+    def build(target, opts, cache):
+        head = _dart_head(target, opts, cache)
+        if "ngram" not in cache:
+            cache["ngram"] = load_ngram_for(target, opts.ngram, opts.ngram_max_tokens)
+        name = "dart-ctx" + ("" if (w_context and copy) else "-ngram" if w_context else "-copy")
+        return ContextDrafter(head, cache["ngram"], _search(opts), ContextConfig(w_context=w_context, copy=copy),
+                              name=name)
+    return build
 
 
 def _eagle3(target, opts, cache):
@@ -266,6 +279,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dart", "DART head + n-gram-guided tree search (the paper)", _dart, budgeted=True),
     Method("dart-no-ngram", "DART without the n-gram term (paper Table 2)", _dart_no_ngram, budgeted=True),
     Method("eagle3", "EAGLE-3 head + dynamic tree", _eagle3, budgeted=True),
+    Method("dart-ctx", "beyond the paper: DART + request-local n-gram + copy candidates", _dart_ctx(0.5, True),
+           budgeted=True),
+    Method("dart-ctx-ngram", "dart-ctx ablation: request-local n-gram only", _dart_ctx(0.5, False), budgeted=True),
+    Method("dart-ctx-copy", "dart-ctx ablation: copy candidates only", _dart_ctx(0.0, True), budgeted=True),
     Method("pld", "prompt lookup decoding", lambda t, o, c: PLDDrafter(o.pld_max_ngram, o.pld_num_pred)),
     Method("sps", "speculative sampling with a smaller draft LM (--sps-model)", _sps),
     Method("hf", "Hugging Face generate (external reference)", hf=True),

@@ -84,7 +84,44 @@ def search_nodes(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram
     return _search(logp, tokens, context, ngram, cfg, eos_ids, nodes=True)
 
 
-def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool):
+def tree_search_with_paths(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram, cfg: TreeSearchConfig,
+                           eos_ids=frozenset(), extra_paths=()) -> Tree:
+    """`tree_search` whose candidate list also holds `extra_paths`: (tokens, scores) pairs, each a
+    path from the root with the cumulative score of every node (non-increasing). A path node that is
+    already a candidate keeps the higher of its two scores; the rest join the list; the final cut
+    is the same. With no extra paths this IS `tree_search` (the released algorithm). Used by the
+    context-aware extension (drafters.ContextDrafter), not by `dart`."""
+    return _search(logp, tokens, context, ngram, cfg, eos_ids, nodes=False, extra_paths=extra_paths)
+
+
+def _merge_paths(tok, par, score, lvl, extra_paths):
+    """Add (tokens, scores) paths from the root to the candidate arrays (see tree_search_with_paths)."""
+    score = score.copy()
+    add_tok, add_par, add_score, add_lvl = [], [], [], []
+    n = tok.size
+    for path, scores in extra_paths:
+        parent = -1
+        for d, (t, sc) in enumerate(zip(path, scores)):
+            hit = np.flatnonzero((par == parent) & (tok == t)) if parent < n else np.zeros(0, np.int64)
+            if hit.size:
+                i = int(hit[0])
+                score[i] = max(score[i], np.float32(sc))
+            else:  # a new candidate (also every node under a new one)
+                j = next((k for k, (p_, t_) in enumerate(zip(add_par, add_tok)) if p_ == parent and t_ == t), None)
+                if j is None:
+                    add_tok.append(int(t)), add_par.append(parent), add_score.append(np.float32(sc)), add_lvl.append(d)
+                    j = len(add_tok) - 1
+                else:
+                    add_score[j] = max(add_score[j], np.float32(sc))
+                i = n + j
+            parent = i
+    if not add_tok:
+        return tok, par, score, lvl
+    return (np.concatenate([tok, np.asarray(add_tok, np.int64)]), np.concatenate([par, np.asarray(add_par, np.int64)]),
+            np.concatenate([score, np.asarray(add_score, np.float32)]), np.concatenate([lvl, np.asarray(add_lvl, np.int64)]))
+
+
+def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=()):
     D = logp.shape[0] if not cfg.max_depth else min(cfg.max_depth, logp.shape[0])
     D = min(D, max(cfg.max_nodes, 1))  # exact: a node at depth d needs d - 1 kept ancestors
     K = tokens.shape[1]
@@ -133,7 +170,12 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
     score = cat(c_score)
     lvl = np.repeat(np.arange(len(sizes)), sizes)
     col = (np.arange(score.size) - np.repeat(np.cumsum([0] + sizes[:-1]), sizes)) % K  # top-k rank of each
-    tree, chosen = best_closed_tree(context[-1], tokens[lvl, col], cat(c_par), score, lvl, cfg.max_nodes)
+    cand_tok, cand_par = tokens[lvl, col], cat(c_par)
+    if extra_paths:
+        cand_tok, cand_par, score, lvl_all = _merge_paths(cand_tok, cand_par, score, lvl, extra_paths)
+        tree, _ = best_closed_tree(context[-1], cand_tok, cand_par, score, lvl_all, cfg.max_nodes)
+        return tree
+    tree, chosen = best_closed_tree(context[-1], cand_tok, cand_par, score, lvl, cfg.max_nodes)
     if not nodes:
         return tree
     return SearchNodes(tree, cat([[0.0], logp[lvl[chosen], col[chosen]]]), cat([[np.nan], cat(c_ng)[chosen]]),

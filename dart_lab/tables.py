@@ -1,14 +1,19 @@
 """Regenerating the paper's tables for a preset (used by reproduce/run_all.ipynb through papermill).
 
 Every benchmark cell (dataset x temperature) is one `run_bench` call whose JSON is cached under
-results_dir/bench/ by the hash of its full config, so a rerun computes only what is missing.
+results_dir/bench/ by the hash of its full config, so a rerun computes only what is missing. Fresh
+results go to `local_results_dir` -- keyed by this machine and the package version, outside git --
+so `make reproduce` measures on the machine it runs on and leaves the stored reference
+(`reproduce/results/<preset>/`, with the machine it came from) untouched.
 Tables are written as CSV + Markdown, figures as plotly HTML; the paper's numbers (arXiv 2601.19278,
 dart_lab/paper/paper_tables.json) stand beside ours with the ratio ours / paper.
 """
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import os
 from pathlib import Path
 
 from .bench import BenchConfig, run_bench
@@ -22,6 +27,31 @@ PAPER_TABLES = Path(__file__).resolve().parent / "paper" / "paper_tables.json"  
 def paper_tables(path: str | Path | None = None) -> dict:
     p = Path(path) if path else PAPER_TABLES
     return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def machine_tag() -> str:
+    """A short, stable name for this machine + software: cpu model, cores, device, torch, dart_lab."""
+    import platform
+
+    import torch
+
+    from . import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    key = json.dumps([cpu, os.cpu_count(), dev, torch.__version__, __version__])
+    name = "".join(c if c.isalnum() else "-" for c in (dev if dev != "cpu" else cpu)).strip("-").lower()[:24]
+    return f"{name}-{os.cpu_count()}c-v{__version__}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def local_results_dir(results_dir, preset: str, smoke: bool = False) -> Path:
+    """Where this machine's results go: results_dir/local/<preset>[-smoke]/<machine_tag>/."""
+    return Path(results_dir) / "local" / (preset + ("-smoke" if smoke else "")) / machine_tag()
 
 
 def _short(ds: str) -> str:

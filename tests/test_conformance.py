@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dart_lab.ngram import read_trie
-from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
+from dart_lab.search import TreeSearchConfig, topk_levels, tree_search, tree_search_with_paths
 
 
 def conformance_dir() -> Path:
@@ -93,4 +93,7 @@ def test_tree_search_matches_released(path):
         want = {tuple(p) for p in case["expected_paths"]}
         if _paths(tree) != want:
             bad.append(case["id"])
+        # the extension's entry point with nothing extra is the same released search
+        if _paths(tree_search_with_paths(logp, toks, case["context"], ng, cfg, frozenset(case["eos_ids"]))) != want:
+            bad.append(case["id"] + " (with_paths)")
     assert not bad, f"{len(bad)} of {len(spec['cases'])} trees differ: {bad[:10]}"

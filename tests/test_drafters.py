@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 from conftest import tiny_model, tiny_target
 from dart_lab import DartLabError, GenerationConfig, generate
 from dart_lab.draft_head import DartHead, Eagle3Head, HeadConfig
-from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter
+from dart_lab.drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
+                              SPSDrafter, copy_chain)
 from dart_lab.methods import MethodOptions, make_drafter, random_head
 from dart_lab.ngram import NGram
 from dart_lab.search import TreeSearchConfig
@@ -29,6 +30,8 @@ def all_drafters(target):
                                       TreeSearchConfig(max_nodes=20)),
         "eagle3": Eagle3Drafter(random_head(target, "eagle3"), Eagle3TreeConfig(total_tokens=20, depth=4, topk=4)),
         "pld": PLDDrafter(),
+        "dart-ctx": ContextDrafter(random_head(target, "dart"), tiny_ngram(target), TreeSearchConfig(max_nodes=20)),
+        "dart-ctx-no-corpus": ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=20)),
         "sps": SPSDrafter(tiny_model("llama", seed=7), draft_len=3),
     }
 
@@ -238,3 +241,30 @@ def test_eagle3_tree_counts_as_the_released_builder():
     assert len(t) == 60 and int(t.depths.max()) <= 8
     t = tree_for(Eagle3TreeConfig(total_tokens=10_000, depth=3, topk=4))
     assert len(t) == 1 + 4 + 3 * 16 and int(t.depths.max()) == 4
+
+
+def test_context_that_adds_nothing_drafts_exactly_what_dart_drafts():
+    target = tiny_target("qwen3")
+    head, ng = random_head(target, "dart"), tiny_ngram(target)
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    a = generate(target, prompt, DartDrafter(head, ng, TreeSearchConfig(max_nodes=20)), cfg)
+    b = generate(target, prompt, ContextDrafter(head, ng, TreeSearchConfig(max_nodes=20),
+                                                ContextConfig(w_context=0.0, copy=False)), cfg)
+    assert [(s["tree_size"], s["accept_len"], s["path_ranks"]) for s in a.steps] == \
+        [(s["tree_size"], s["accept_len"], s["path_ranks"]) for s in b.steps]
+
+
+def test_copy_candidates_enter_the_tree():
+    target = tiny_target("llama")
+    ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
+    assert copy_chain(ids, 3, 10) == [13, 14, 15, 16, 40, 41, 10, 11, 12]
+    out = target.prefill(torch.tensor(ids[:-1]), want_aux=True)
+    d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16), ContextConfig(w_context=0.0))
+    d.begin(target, ids, out.aux)
+    tree = d.propose(ids)
+    toks = tree.tokens.tolist()
+    paths = {tuple(toks[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
+    assert (13, 14, 15, 16) in paths  # the copy wins places on the search's own scale ...
+    assert sum(1 for p in paths if p[0] != 13) >= 4  # ... without taking over the whole tree
+    assert len(tree) == 17

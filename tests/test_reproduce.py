@@ -55,7 +55,8 @@ def test_papermill_smoke_run_and_its_results(tmp_path):
     papermill.execute_notebook(str(ROOT / "reproduce" / "run_all.ipynb"), str(tmp_path / "out.ipynb"),
                                parameters={"smoke": True, "results_dir": str(tmp_path / "results")},
                                cwd=str(ROOT / "reproduce"), progress_bar=False, kernel_name="python3")
-    out = tmp_path / "results" / "embedded-smoke"
+    out = rp.local_results_dir(tmp_path / "results", "embedded", smoke=True)
+    assert out.parent.parent.name == "local"  # this machine's results, outside the stored reference
     rows = list(csv.DictReader(open(out / "table1.csv")))
     assert {r["method"] for r in rows} >= {"dart", "dart-no-ngram"}
     greedy = [r for r in rows if float(r["temperature"]) == 0.0]
