@@ -44,14 +44,20 @@ class BudgetConfig:
     calibration_tokens: int = 48  # per calibration prompt
 
 
-def fingerprint(target) -> dict:
-    """What the verify cost depends on; the cache key of a cost curve."""
+def cpu_name() -> str:
+    """The CPU model (Linux /proc/cpuinfo), else what `platform` knows."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def fingerprint(target) -> dict:
+    """What the verify cost depends on; the cache key of a cost curve."""
+    cpu = cpu_name()
     dev = target.device
     if dev.type == "cuda":
         cpu = torch.cuda.get_device_name(dev)

@@ -16,7 +16,11 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
+from . import __version__
 from .bench import BenchConfig, run_bench
+from .budget import cpu_name
 from .loading import load_target
 from .methods import get_method
 from .presets import get_preset
@@ -31,18 +35,7 @@ def paper_tables(path: str | Path | None = None) -> dict:
 
 def machine_tag() -> str:
     """A short, stable name for this machine + software: cpu model, cores, device, torch, dart_lab."""
-    import platform
-
-    import torch
-
-    from . import __version__
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_name()
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     key = json.dumps([cpu, os.cpu_count(), dev, torch.__version__, __version__])
     name = "".join(c if c.isalnum() else "-" for c in (dev if dev != "cpu" else cpu)).strip("-").lower()[:24]
