@@ -42,6 +42,9 @@ class BudgetConfig:
     prompt_len: int = 128  # committed context during the timing
     max_nodes: int = 63  # widest tree probed in the calibration decode (drafted nodes)
     calibration_tokens: int = 48  # per calibration prompt
+    refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
+    refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
+    refresh_repeats: int = 3  # timed verifies per size when re-measuring
 
 
 def cpu_name() -> str:

@@ -58,6 +58,7 @@ class FastTarget(Target):
     """`Target` with the lean forward (module docstring). Same protocol: prefill, verify, commit."""
 
     capacity_step: int = 512  # the cache grows in steps of this many positions (rarely: one reallocation)
+    fp32_attention_max_nodes: int = 1  # CPU, half types: attention in fp32 up to this many queries
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,6 +113,10 @@ class FastTarget(Target):
         cos, sin = cos[:, None], sin[:, None]  # (1, 1, N, hd)
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         taps = {}
+        # one query in a half type on a CPU: SDPA in fp32 beats its bf16 kernel here (42 vs 122 us per
+        # layer over 200 keys; one-token step 34.6 vs 36.6 ms, 2-core EPYC); trees keep the half kernel
+        fp32_attn = (dev.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+                     and N <= self.fp32_attention_max_nodes and (mask is not None or N == 1))
         for i, layer in enumerate(inner.layers):
             if want_aux and i in self.aux_layers:
                 taps[i] = x[0]
@@ -125,10 +130,15 @@ class FastTarget(Target):
             q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
             self._k[i, :, :, P:P + N] = k
             self._v[i, :, :, P:P + N] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, self._k[i, :, :, :P + N], self._v[i, :, :, :P + N],
-                                               attn_mask=None if mask is None else mask[None, None],
-                                               is_causal=mask is None and N > 1 and P == 0, scale=self.scaling,
-                                               enable_gqa=nkv != nh)
+            K, V = self._k[i, :, :, :P + N], self._v[i, :, :, :P + N]
+            if fp32_attn:
+                o = F.scaled_dot_product_attention(q.float(), K.float(), V.float(), scale=self.scaling,
+                                                   attn_mask=None if mask is None else mask[None, None],
+                                                   enable_gqa=nkv != nh).to(q.dtype)
+            else:
+                o = F.scaled_dot_product_attention(q, K, V, attn_mask=None if mask is None else mask[None, None],
+                                                   is_causal=mask is None and N > 1 and P == 0, scale=self.scaling,
+                                                   enable_gqa=nkv != nh)
             x = x + _lin(att.o_proj, o.transpose(1, 2).reshape(1, N, nh * hd))
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp

@@ -19,7 +19,7 @@ import torch
 
 from .assets import cache_dir, resolve_hub
 from .atomic import write_json
-from .budget import CALIBRATION_PROMPTS, BudgetConfig, choose_budget, cost_curve
+from .budget import CALIBRATION_PROMPTS, BudgetConfig, choose_budget, cost_curve, interpolate
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
 from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
@@ -222,6 +222,23 @@ class Runner:
             write_json(path, {"observed": self._observed, "overhead_ms": self._overhead})
         self._choose()
 
+    def _follow_machine(self, res: GenerationResult) -> bool:
+        """Keep the cost curve true to the machine as it is now. When the verify steps just decoded took
+        `refresh_ratio` x longer (or shorter) than the curve predicts for their tree sizes (median over
+        steps), the curve is measured again (not cached) and theta is re-chosen. A busy machine changes
+        the curve's shape, not only its scale -- one-token steps slowed 4x under contention here while
+        a tree verify, the same number of ops, slowed far less -- so a rescale would not do."""
+        cfg = BudgetConfig()
+        obs = [(s["tree_size"], s["verify_ms"]) for s in res.steps if "tree_size" in s]
+        if len(obs) < cfg.refresh_min_steps:
+            return False
+        ratio = statistics.median(ms / interpolate(self.cost["verify_ms"], n) for n, ms in obs)
+        if 1 / cfg.refresh_ratio <= ratio <= cfg.refresh_ratio:
+            return False
+        self.cost = {**cost_curve(self.target, dataclasses.replace(cfg, repeats=cfg.refresh_repeats), cache=False),
+                     "refreshes": self.cost.get("refreshes", 0) + 1, "refresh_trigger_ratio": round(ratio, 3)}
+        return True
+
     def _observe(self, res: GenerationResult, budget: int) -> None:
         self._observed += [(budget, s["path_ranks"]) for s in res.steps if "path_ranks" in s]
 
@@ -233,7 +250,8 @@ class Runner:
             tau.append(1.0 + statistics.fmean(sum(1 for x in r if x < th) for r in rs) if rs else tau[-1])
         self.budget = {**choose_budget(tau, self.cost["verify_ms"], self._overhead),
                        "tau_by_theta": [round(v, 4) for v in tau], "steps_observed": len(self._observed),
-                       "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"]}
+                       "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"],
+                       "cost_refreshes": self.cost.get("refreshes", 0)}
         theta = self.budget["theta"]
         if theta:
             self.drafter.set_budget(theta)
@@ -245,8 +263,10 @@ class Runner:
         res = generate(self.target, prompt_ids, None if fallback else self.drafter, cfg)
         res.method = self.name
         if self.budget is not None:
+            refreshed = self._follow_machine(res)
             if not fallback and cfg.greedy:
                 self._observe(res, self.budget["theta"])
+            if refreshed or (not fallback and cfg.greedy):
                 self._choose()
             res.config["tree_budget"] = {k: self.budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar")}
         return res

@@ -82,3 +82,19 @@ def test_auto_budget_runner_stays_lossless_and_records_its_choice():
         res = r.generate(prompt, cfg)
         assert res.tokens == ar.tokens and res.method == name
         assert res.config["tree_budget"]["theta"] == r.budget["theta"]
+
+
+def test_cost_curve_follows_the_machine():
+    """Steps that take far longer than the curve predicts (here: a curve 1000x too fast, as if the
+    machine had become busy) re-measure the curve and re-choose theta; the output stays lossless."""
+    target = tiny_target("llama")
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    ar = make_runner("ar", target).generate(prompt, cfg)
+    r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
+    stale = {n: ms / 1000 for n, ms in r.cost["verify_ms"].items()}
+    r.cost = {**r.cost, "verify_ms": stale}
+    res = r.generate(prompt, cfg)
+    assert res.tokens == ar.tokens
+    assert r.budget["cost_refreshes"] == 1 and r.budget["verify_ms"] != stale
+    assert min(r.budget["verify_ms"].values()) > 10 * max(stale.values())

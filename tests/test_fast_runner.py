@@ -40,6 +40,11 @@ def test_cache_growth_and_dtype_change_keep_results():
     with torch.no_grad():
         want = model(prompt[None]).logits[0].float()
     torch.testing.assert_close(out.logits, want, atol=0.1, rtol=0.05)
+    # one-token steps in a half type take the fp32-attention path (fast_llama: fp32_attention_max_nodes)
+    step = fast.verify(Tree.single(7)).logits[0]
+    with torch.no_grad():
+        want = model(torch.cat([prompt, torch.tensor([7])])[None]).logits[0, -1].float()
+    torch.testing.assert_close(step, want, atol=0.1, rtol=0.05)
 
 
 def test_truncate_drops_speculative_entries():
