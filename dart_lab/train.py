@@ -116,10 +116,38 @@ def teacher_probs(final: torch.Tensor, lm_head_w: torch.Tensor, d2t_ids: torch.T
     return torch.softmax(logits, dim=-1)
 
 
-def _kl(q: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Per-row KL(q || softmax(logits)), (R,)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return (q * (torch.log(q.clamp_min(1e-12)) - logp)).sum(-1)
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Per-row -sum_v q_v log softmax(z)_v, (R,), with the gradient written out: (softmax(z) - q) * g
+    (rows of q sum to 1). One log-softmax forward and one subtraction backward -- autograd through
+    log_softmax, a product and a sum keeps three (R, Vd) fp32 intermediates and runs ~6 passes."""
+
+    @staticmethod
+    def forward(ctx, z, q):
+        logp = torch.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)
+        ctx.save_for_backward(logp, q)
+        ctx.in_dtype = z.dtype
+        return -(q * logp).sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        logp, q = ctx.saved_tensors
+        return ((logp.exp() - q) * g[:, None]).to(ctx.in_dtype), None
+
+
+def soft_cross_entropy(logits: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(R, Vd) logits (any float type), (R, Vd) target law -> (R,) cross-entropy H(q, softmax(logits))."""
+    return _SoftCrossEntropy.apply(logits, q)
+
+
+def entropy(q: torch.Tensor) -> torch.Tensor:
+    """(R, Vd) -> (R,) entropy of each row."""
+    return -(q * torch.log(q.clamp_min(1e-12))).sum(-1)
+
+
+def _kl(q: torch.Tensor, logits: torch.Tensor, ent: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row KL(q || softmax(logits)), (R,): the cross-entropy minus the target's entropy `ent` (a
+    constant for the head, so the gradient is the cross-entropy's; pass it when it is known)."""
+    return soft_cross_entropy(logits, q) - (entropy(q) if ent is None else ent)
 
 
 def _agree(logits: torch.Tensor, q: torch.Tensor, k: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,14 +160,14 @@ def dart_loss(head: DartHead, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfi
               device, return_stats: bool = False):
     """Loss of one sequence (see the module docstring). Unshifted heads (cfg.shifted=False, Table 3
     ablation) take level 0 from the first of draft_length+1 masks instead of the last prefix position,
-    so level 0 is supervised at the sampled anchors only."""
+    so level 0 is supervised at the sampled anchors only. Every supervised row of every level goes
+    through ONE lm_head matmul and one cross-entropy (rows weighted gamma^j / rows of level j)."""
     ids = ex["input_ids"].long().to(device)
     lmask = ex["loss_mask"].to(device)
     T = ids.numel()
     m = cfg.draft_length  # levels 0..m
     mb = m if cfg.shifted else m + 1  # masks per block
     n = T - 1
-    q = teacher_probs(ex["final"].to(device), lm_head_w, d2t_ids)  # (T, Vd)
     # level 0 at prefix i predicts x_{i+2}: supervised where i+2 < T and x_{i+2} is an assistant token
     valid0 = torch.zeros(n, dtype=torch.bool, device=device)
     if T >= 3:
@@ -147,47 +175,54 @@ def dart_loss(head: DartHead, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainConfi
     cand = torch.nonzero(valid0).flatten().cpu()
     if cand.numel() == 0:
         return None
+    q = teacher_probs(ex["final"].to(device), lm_head_w, d2t_ids)  # (T, Vd)
     A = min(cfg.anchors_per_seq, cand.numel())
     anchors = cand[torch.randperm(cand.numel(), generator=gen)[:A]].sort().values
     pos, amask = dart_block_layout(T, anchors, mb)
     hidden, _ = head(ex["aux"][None, :n].to(device, head.fc.weight.dtype), ids[None, 1:], pos.to(device),
                      n_masks=A * mb, attn_mask=amask.to(device), return_all=True, return_hidden=True)
     hidden = hidden[0]
-    terms, stats, correct, hit, valid = [], {"level_kl": {}}, [], [], []
+    # the supervised rows of `hidden`, level by level: (row, q index, level); oks[j] = which anchors
+    rows, qidx, oks = [], [], []
     for j in range(m + 1):  # level j at anchor i predicts x_{i+2+j}, target law q_{i+1+j}
         if j == 0 and cfg.shifted:  # every supervised prefix position, not only the anchors
-            rows0 = torch.nonzero(valid0).flatten()
-            logits0 = head.lm_head(hidden[rows0])  # lm_head only where a loss is taken
-            kl = _kl(q[rows0 + 1], logits0)
-            terms.append(kl.mean())
-            stats["level_kl"][0] = kl.mean()
-            if return_stats:
-                pick = torch.searchsorted(rows0, anchors.to(device))  # anchors are a subset of rows0
-                top1, h10 = _agree(logits0[pick], q[anchors.to(device) + 1])
-                correct.append(top1)
-                hit.append(h10)
-                valid.append(torch.ones(A, dtype=torch.bool, device=device))
+            r0 = torch.nonzero(valid0).flatten()
+            rows.append(r0)
+            qidx.append(r0 + 1)
+            oks.append(torch.ones(A, dtype=torch.bool))
             continue
         tgt = anchors + 1 + j  # q index; predicted token x_{tgt+1}
         ok = tgt + 1 < T
         ok[ok.clone()] = lmask[(tgt + 1)[ok].to(device)].cpu()
         mask_k = j if cfg.shifted else j + 1  # which mask of the block (1-based) predicts level j
-        rows = n + torch.arange(A) * mb + (mask_k - 1)
-        c = torch.zeros(A, dtype=torch.bool, device=device)
-        h = torch.zeros(A, dtype=torch.bool, device=device)
-        if ok.any():
-            lj = head.lm_head(hidden[rows[ok].to(device)])
-            qj = q[tgt[ok].to(device)]
-            kl = _kl(qj, lj)
-            terms.append((cfg.gamma ** j) * kl.mean())
-            stats["level_kl"][j] = kl.mean()
-            if return_stats:
-                c[ok.to(device)], h[ok.to(device)] = _agree(lj.detach(), qj)
-        correct.append(c)
-        hit.append(h)
-        valid.append(ok.to(device))
-    loss = sum(terms)
+        rows.append((n + torch.arange(A) * mb + (mask_k - 1))[ok].to(device))
+        qidx.append(tgt[ok].to(device))
+        oks.append(ok)
+    counts = [r.numel() for r in rows]
+    level = torch.repeat_interleave(torch.arange(m + 1, device=device), torch.tensor(counts, device=device))
+    logits = head.lm_head(hidden[torch.cat(rows)])  # (R, Vd): lm_head only where a loss is taken
+    qi = torch.cat(qidx)
+    qr = q[qi]
+    kl = _kl(qr, logits, entropy(q)[qi])  # entropy over the T rows, not the R (~2T) supervised ones
+    per_level = torch.zeros(m + 1, device=device).index_add(0, level, kl) / torch.tensor(counts, device=device).clamp_min(1)
+    present = torch.tensor([c > 0 for c in counts], device=device)
+    loss = (torch.tensor([cfg.gamma ** j for j in range(m + 1)], device=device) * per_level)[present].sum()
+    stats = {"level_kl": {j: per_level[j] for j in range(m + 1) if counts[j]}}
     if return_stats:  # (A, m+1) per anchor and level: top-1 agreement, hit@10, level supervised
+        top1, h10 = _agree(logits.detach(), qr)
+        correct, hit, valid = [], [], []
+        for j, (t1, hk) in enumerate(zip(top1.split(counts), h10.split(counts))):
+            c = torch.zeros(A, dtype=torch.bool, device=device)
+            h = torch.zeros(A, dtype=torch.bool, device=device)
+            ok = oks[j].to(device)
+            if j == 0 and cfg.shifted:  # anchors are a subset of the level-0 rows
+                pick = torch.searchsorted(rows[0], anchors.to(device))
+                c, h = t1[pick], hk[pick]
+            else:
+                c[ok], h[ok] = t1, hk
+            correct.append(c)
+            hit.append(h)
+            valid.append(ok)
         stats.update(correct=torch.stack(correct, 1).cpu(), hit10=torch.stack(hit, 1).cpu(),
                      valid=torch.stack(valid, 1).cpu())
     return loss, stats
@@ -230,7 +265,7 @@ def eagle3_loss(head: Eagle3Head, ex: dict, emb, lm_head_w, d2t_ids, cfg: TrainC
         if ok.any():
             logits = head.lm_head(head.norm(h[0, ok]))  # lm_head only where a loss is taken
             qq = q[tgt[ok]]
-            ce = -(qq * torch.log_softmax(logits.float(), -1)).sum(-1)
+            ce = soft_cross_entropy(logits, qq)
             terms.append((cfg.ttt_decay ** s) * ce.mean())
             if return_stats:
                 c[ok], hh[ok] = _agree(logits.detach(), qq)
