@@ -71,8 +71,14 @@ def fingerprint(target) -> dict:
 
 @torch.no_grad()
 def measure_verify(target, sizes, repeats: int = 7, prompt_len: int = 128) -> dict[int, float]:
-    """Median wall ms of one verify of an N-node tree (a chain; cost depends on N, not on shape)
-    after `prompt_len` committed tokens, each size measured interleaved with the others."""
+    """Median wall ms of one verify of an N-node tree (see `verify_samples`)."""
+    return {n: statistics.median(ts) for n, ts in verify_samples(target, sizes, repeats, prompt_len).items()}
+
+
+def verify_samples(target, sizes, repeats: int = 7, prompt_len: int = 128) -> dict[int, list[float]]:
+    """Wall ms of `repeats` verifies of an N-node tree (a chain; cost depends on N, not on shape)
+    after `prompt_len` committed tokens, each size measured interleaved with the others, after one
+    untimed warm-up round."""
     g = torch.Generator().manual_seed(0)
     V = min(target.vocab_size, 1000)
     target.prefill(torch.randint(3, V, (prompt_len,), generator=g))
@@ -88,7 +94,7 @@ def measure_verify(target, sizes, repeats: int = 7, prompt_len: int = 128) -> di
                 times[n].append((time.perf_counter() - t) * 1e3)
             target.commit([0])
             target.truncate(prompt_len)
-    return {n: statistics.median(ts) for n, ts in times.items()}
+    return times
 
 
 def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -> dict:

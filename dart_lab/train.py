@@ -23,6 +23,7 @@ as an uninterrupted one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -34,9 +35,14 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from .atomic import atomic_file
+from .budget import CALIBRATION_PROMPTS
+from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
+from .drafters import DartDrafter, Eagle3Drafter
 from .errors import DartLabError
 from .features import FeatureDataset
+from .generate import generate
+from .methods import load_ngram_for
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class TrainConfig:
     autocast: bool = True
     init_from_target: bool = True
     init_from: str = ""  # a trained head folder to continue from (its draft vocabulary is kept)
+    decode_every: int = 0  # > 0: every this many steps, decoding tau (60-node tree, T=0) on fixed prompts
+    decode_tokens: int = 48  # new tokens per decoding-tau prompt
 
     def __post_init__(self):
         if self.kind not in ("dart", "eagle3"):
@@ -376,6 +384,43 @@ def evaluate_head(target, head, features, kind: str = "dart", num: int = 64, anc
                     target.model.get_output_embeddings().weight.detach(), head.draft_to_target(), cfg, device)
 
 
+def decoding_tau(target, head, kind: str, max_new_tokens: int = 48, ngram=None) -> float | None:
+    """Tokens per target step when the head drafts with the paper's 60-node tree at T=0, over the
+    calibration prompts (`budget.CALIBRATION_PROMPTS`: generic requests, none from a benchmark set).
+    The learning curve's decoding measure (chain tau simulates one greedy chain; this is the real
+    tree). None without a tokenizer. A bf16 copy of the head in the target's dtype drafts, as a shipped
+    head would."""
+    if target.tokenizer is None:
+        return None
+    h = head.__class__(head.cfg)
+    h.load_state_dict({k: v.detach().float() for k, v in head.state_dict().items()})
+    h.attach_embedding(target.model.get_input_embeddings())
+    h = h.to(device=target.device, dtype=target.dtype).eval()
+    drafter = DartDrafter(h, ngram) if kind == "dart" else Eagle3Drafter(h)
+    tokens = steps = 0
+    for text in CALIBRATION_PROMPTS:
+        res = generate(target, target.encode_prompt(text), drafter, GenerationConfig(max_new_tokens=max_new_tokens))
+        tokens += sum(st["accept_len"] + 1 for st in res.steps)
+        steps += len(res.steps)
+    return round(tokens / max(steps, 1), 4)
+
+
+def tokens_to_reach(points: list[tuple[float, float]], goal: float) -> dict:
+    """Least-squares fit value = intercept + slope * ln(tokens) over (tokens, value) points of a
+    learning curve, and the tokens at which the fit reaches `goal` (None if it never does). A rough
+    extrapolation: real curves bend and saturate."""
+    pts = [(math.log(t), v) for t, v in points if t > 0]
+    if len(pts) < 2:
+        raise DartLabError("an extrapolation needs at least two points of the learning curve")
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    tokens = math.exp((goal - intercept) / slope) if slope > 0 else None
+    return {"intercept": intercept, "slope": slope, "tokens": tokens, "goal": goal, "points": len(pts)}
+
+
 def _prepare_out(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -480,7 +525,7 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
         if progress and acc.is_main_process else None
     t_start = time.perf_counter() - elapsed
     raw.train()
-    last_val, steps_here = {}, 0
+    last_val, steps_here, ngram = {}, 0, None
     with open(out / "log.jsonl", "a") as logf:
         while step < cfg.max_steps:
             if _stop_after is not None and steps_here >= _stop_after:  # tests: simulate a kill
@@ -507,6 +552,10 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
                    "elapsed_s": round(time.perf_counter() - t_start, 1), "tokens_seen": tokens_seen}
             if val and (step % cfg.val_every == 0 or step == cfg.max_steps):
                 last_val = rec["val"] = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
+            if cfg.decode_every and acc.is_main_process and (step % cfg.decode_every == 0 or step == cfg.max_steps):
+                if ngram is None and cfg.kind == "dart":
+                    ngram = _training_ngram(target)
+                rec["decode_tau"] = decoding_tau(target, raw, cfg.kind, cfg.decode_tokens, ngram)
             if acc.is_main_process:
                 logf.write(json.dumps(rec) + "\n")
                 logf.flush()
@@ -529,6 +578,11 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         _export(raw, out / "head", summary)
     return summary
+
+
+def _training_ngram(target):
+    """The DART search's default n-gram table (ShareGPT), for the decoding-tau measurement."""
+    return load_ngram_for(target, "sharegpt")
 
 
 def _resume(ckpt: Path, cfg: TrainConfig, head, opt, sched, log) -> tuple[int, float, int]:

@@ -9,11 +9,18 @@ import numpy as np
 from .search import SearchNodes
 
 
+_VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
+
+
 def _label(tokenizer, tok: int) -> str:
+    """A token as a short visible label: spaces, newlines and tabs drawn as ␣ ⏎ ⇥ (a bare space or
+    newline would be an empty label; a repr would print a literal backslash-n)."""
     if tokenizer is None:
         return str(tok)
     s = tokenizer.decode([tok])
-    return repr(s)[1:-1] or "∅"
+    if not s.strip():
+        return "".join(_VISIBLE.get(c, "·") for c in s) or "∅"
+    return s.replace("\n", "⏎").replace("\t", "⇥")
 
 
 def tree_graph(nodes: SearchNodes, tokenizer=None):
@@ -43,12 +50,15 @@ def _layered_positions(g) -> dict:
         kids = list(g.successors(n))
         if kids:
             y[n] = float(np.mean([y[k] for k in kids]))
-    return {n: (g.nodes[n]["depth"], -y[n]) for n in g}
+    return {n: (g.nodes[n]["depth"] - 1, -y[n]) for n in g}  # x = level: the root at -1
 
 
-def tree_figure(nodes: SearchNodes, tokenizer=None, accepted: list[int] | None = None, title: str = "draft tree"):
-    """Plotly figure of the draft tree: nodes coloured by score, hover = token, draft log-prob, n-gram
-    prob and score; the accepted path (node indices from the root) drawn in red."""
+def tree_figure(nodes: SearchNodes, tokenizer=None, accepted: list[int] | None = None, title: str = "draft tree",
+                score_range: tuple[float, float] | None = None):
+    """Plotly figure of the draft tree: x = level (level 0 = the first drafted token; the root, the
+    last committed token, sits at -1), nodes coloured by score, hover = token, draft log-prob, n-gram
+    prob and score; the accepted path (node indices from the root) drawn in red. `score_range` fixes
+    the colour scale, so figures of different settings can be compared."""
     import plotly.graph_objects as go
 
     g = tree_graph(nodes, tokenizer)
@@ -70,19 +80,21 @@ def tree_figure(nodes: SearchNodes, tokenizer=None, accepted: list[int] | None =
     for i in n:
         d = g.nodes[i]
         ng = "-" if math.isnan(d["ngram_p"]) else f"{d['ngram_p']:.3g}"
-        hover.append(f"node {i} | depth {d['depth']}<br>token {d['token']} {d['text']!r}<br>"
+        hover.append(f"node {i} | level {d['depth'] - 1}<br>token {d['token']} {d['text']!r}<br>"
                      f"draft log p {d['draft_logp']:.3f}<br>n-gram p {ng}<br>score {d['score']:.3f}")
     fig.add_trace(go.Scatter(
         x=[pos[i][0] for i in n], y=[pos[i][1] for i in n], mode="markers+text",
         text=[g.nodes[i]["text"] for i in n], textposition="middle right", hovertext=hover, hoverinfo="text",
         marker=dict(size=[16 if accepted and i in accepted else 11 for i in n],
                     color=[g.nodes[i]["score"] for i in n], colorscale="Viridis", showscale=True,
+                    **(dict(cmin=score_range[0], cmax=score_range[1]) if score_range else {}),
                     colorbar=dict(title="score"), line=dict(color=["crimson" if accepted and i in accepted else "white"
                                                                    for i in n], width=2)),
         name="nodes"))
-    fig.update_layout(title=title, xaxis=dict(title="depth", dtick=1), yaxis=dict(visible=False),
-                      height=max(400, 14 * sum(1 for i in n if g.out_degree(i) == 0)), template="plotly_white",
-                      legend=dict(orientation="h"))
+    fig.update_traces(textfont=dict(size=11), selector=dict(name="nodes"))
+    fig.update_layout(title=title, xaxis=dict(title="level (the root, the last committed token, at -1)", dtick=1),
+                      yaxis=dict(visible=False), template="plotly_white", legend=dict(orientation="h"),
+                      height=max(420, 20 * sum(1 for i in n if g.out_degree(i) == 0)))  # ~20 px per leaf row
     return fig
 
 
@@ -120,8 +132,12 @@ def bench_figures(result: dict) -> dict:
 
 
 def setup_notebook() -> None:
-    """Render plotly figures both as the JupyterLab mimetype and as self-contained HTML, so they also
-    show in notebooks exported with nbconvert (offline: plotly.js is inlined once)."""
+    """Notebook defaults. Plotly figures render as the JupyterLab mimetype (no plotly.js in the
+    notebook file) plus an HTML version that loads plotly.js from its CDN when the notebook is exported
+    (embedding plotly.js added 4.8 MB to every executed notebook). Model-loading progress bars are
+    switched off: they are noise in a lesson and a blank gap in exported HTML."""
     import plotly.io as pio
+    from transformers.utils import logging as hf_logging
 
-    pio.renderers.default = "plotly_mimetype+notebook"
+    pio.renderers.default = "plotly_mimetype+notebook_connected"
+    hf_logging.disable_progress_bar()

@@ -1,6 +1,7 @@
 """Training invariants: KL of an exact draft is zero, gamma weighting, the prefix-shared block mask,
 a smoke run lowers the loss, resume == uninterrupted, vocab round trip, tolerant ShareGPT parsing."""
 import json
+import math
 
 import pytest
 import torch
@@ -324,3 +325,11 @@ def test_soft_cross_entropy_gradient_is_autograds():
     want = torch.autograd.grad((-(q * torch.log_softmax(z, -1)).sum(-1) * g).sum(), z)[0]
     torch.testing.assert_close(z.grad, want)
     assert torch.autograd.gradcheck(lambda x: soft_cross_entropy(x, q), (z.detach().requires_grad_(),))
+
+
+def test_learning_curve_extrapolation_recovers_a_log_law():
+    from dart_lab.train import tokens_to_reach
+    pts = [(t, 1.2 + 0.1 * math.log(t)) for t in (1e5, 3e5, 1e6, 3e6)]
+    fit = tokens_to_reach(pts, goal=3.0)
+    assert abs(fit["slope"] - 0.1) < 1e-9 and abs(math.log(fit["tokens"]) - 18.0) < 1e-6
+    assert tokens_to_reach([(1e5, 2.0), (1e6, 1.9)], goal=3.0)["tokens"] is None  # never, on a falling curve
