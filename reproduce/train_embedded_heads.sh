@@ -10,16 +10,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NUM_TRAIN=${1:-2048}
-MINUTES=${2:-75}
+MINUTES=${2:-60}
 HEADS=${3:-dart eagle3}
 BIN=.venv/bin
 RUNS=${DART_LAB_RUNS:-runs}
 START=$(date +%s)
 $BIN/dart-lab features --out "$RUNS/features" --num-train "$NUM_TRAIN" --num-val 64 --max-len 512
 for KIND in $HEADS; do
-  # max-steps sets the cosine schedule: about what MINUTES of this trainer reach here (DART ~1,400
+  # max-steps sets the cosine schedule: about what 60 minutes of this trainer reach here (DART ~1,500
   # tokens/s, EAGLE-3 ~340 tokens/s, ~460 tokens per conversation, 2 per step)
-  STEPS=$([ "$KIND" = dart ] && echo 5500 || echo 1300)
+  STEPS=$([ "$KIND" = dart ] && echo 5000 || echo 1200)
   $BIN/dart-lab train "$KIND" --features "$RUNS/features" --out "$RUNS/$KIND" --max-steps "$STEPS" \
     --time-budget "$MINUTES" --seqs-per-step 2 --warmup-steps 100 --val-every 500 --val-examples 32 \
     --decode-every 500 --save-every 100 > "$RUNS/$KIND.log" 2>&1
