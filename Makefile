@@ -45,9 +45,10 @@ test: $(STAMP)
 screenshot: $(STAMP)
 	DART_LAB_SCREENSHOT_DIR=docs $(BIN)/python -m pytest -q tests/test_browser.py -p no:cacheprovider
 
-# the embedded reproduction: Table 1/2 (+4 when the gamma sweep exists) and Figure 1 in reproduce/results/embedded
+# the embedded reproduction measured on THIS machine: Tables 1-4 + Figure 1 in reproduce/results/local/embedded/<machine>/
+# (outside git), beside the stored reference run of reproduce/results/embedded; progress per cell and prompt
 reproduce: $(STAMP)
-	cd reproduce && ../$(BIN)/papermill run_all.ipynb results/run_all.embedded.ipynb -p preset embedded \
+	cd reproduce && ../$(BIN)/papermill --log-output run_all.ipynb results/run_all.embedded.ipynb -p preset embedded \
 	  -p num_prompts $(NUM_PROMPTS) -p max_new_tokens $(MAX_NEW_TOKENS) --cwd .
 
 NUM_PROMPTS ?= 5
