@@ -60,7 +60,16 @@ def test_papermill_smoke_run_and_its_results(tmp_path):
     rows = list(csv.DictReader(open(out / "table1.csv")))
     assert {r["method"] for r in rows} >= {"dart", "dart-no-ngram"}
     greedy = [r for r in rows if float(r["temperature"]) == 0.0]
-    assert greedy and all(float(r["match_ar"]) == 1.0 for r in greedy)  # lossless in the reproduction too
+    assert greedy
+    # lossless in the reproduction too: the preset decodes in the auto dtype (bf16 on most CPUs), where a
+    # divergence from AR must sit at a near-tie of AR's own choice (bench.NEAR_TIE_LOGITS); fp32: none
+    for f in (out / "bench").glob("*T0.0*.json"):
+        cell = json.loads(f.read_text())
+        for m, d in cell["methods"].items():
+            if m != "ar" and d.get("divergences") is not None:
+                assert d["unexplained_divergences"] == 0, (m, d["max_divergence_margin"])
+                if cell["machine"]["dtype"] == "torch.float32":
+                    assert d["divergences"] == 0
     assert all(float(r["speedup"]) > 0 and float(r["tau"]) >= 1.0 for r in rows)
     t2 = list(csv.DictReader(open(out / "table2.csv")))
     assert t2 and t2[0]["dataset"] == "mt_bench"
