@@ -12,12 +12,12 @@ B=.venv/bin
 mkdir -p "$OUT"
 run() {
   for ds in "$@"; do
-    $B/dart-lab bench --methods ar,dart,eagle3 --tree-nodes paper --dataset "$ds" --num-prompts 10 \
+    $B/dart-lab bench --methods ar,dart,eagle3 --tree-nodes paper --dataset "$ds" --num-prompts "${NUM_PROMPTS:-10}" \
       --max-new-tokens 128 --out "$OUT/${ds}_tau60.json" --no-progress $EXTRA > /dev/null
   done
 }
 EXTRA="$*"
-run mt_bench humaneval gsm8k & run code_alpaca alpaca & wait
+if [ "${PARALLEL:-1}" = 1 ]; then run mt_bench humaneval gsm8k & run code_alpaca alpaca & wait; else run mt_bench humaneval gsm8k code_alpaca alpaca; fi
 $B/python - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
