@@ -116,7 +116,9 @@ class FastTarget(Target):
         # one query in a half type on a CPU: SDPA in fp32 beats its bf16 kernel here (42 vs 122 us per
         # layer over 200 keys; one-token step 34.6 vs 36.6 ms, 2-core EPYC); trees keep the half kernel
         fp32_attn = (dev.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-                     and N <= self.fp32_attention_max_nodes and (mask is not None or N == 1))
+                     and N <= self.fp32_attention_max_nodes)
+        attn_mask = None if mask is None else mask[None, None]
+        causal = mask is None and N > 1 and P == 0
         for i, layer in enumerate(inner.layers):
             if want_aux and i in self.aux_layers:
                 taps[i] = x[0]
@@ -132,13 +134,9 @@ class FastTarget(Target):
             self._v[i, :, :, P:P + N] = v.transpose(1, 2)
             K, V = self._k[i, :, :, :P + N], self._v[i, :, :, :P + N]
             if fp32_attn:
-                o = F.scaled_dot_product_attention(q.float(), K.float(), V.float(), scale=self.scaling,
-                                                   attn_mask=None if mask is None else mask[None, None],
-                                                   enable_gqa=nkv != nh).to(q.dtype)
-            else:
-                o = F.scaled_dot_product_attention(q, K, V, attn_mask=None if mask is None else mask[None, None],
-                                                   is_causal=mask is None and N > 1 and P == 0, scale=self.scaling,
-                                                   enable_gqa=nkv != nh)
+                q, K, V = q.float(), K.float(), V.float()
+            o = F.scaled_dot_product_attention(q, K, V, attn_mask=attn_mask, is_causal=causal, scale=self.scaling,
+                                               enable_gqa=nkv != nh).to(x.dtype)
             x = x + _lin(att.o_proj, o.transpose(1, 2).reshape(1, N, nh * hd))
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp

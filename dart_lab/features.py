@@ -171,17 +171,22 @@ class FeatureDataset:
         return len(self.index)
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, loss_mask) of example i."""
-        ex = self[i]
-        return ex["input_ids"], ex["loss_mask"]
+        """(input_ids, loss_mask) of example i (its hidden states are not read)."""
+        f, j = self._handle(i)
+        return f.get_tensor(f"{j}.input_ids"), f.get_tensor(f"{j}.loss_mask")
 
-    def __getitem__(self, i: int) -> dict:
-        # training reads examples in random order: loading whole shards (~140 MB for 64 examples)
-        # per example cost more than the head's step; reading one example's tensors costs ~1 ms
+    def _handle(self, i: int):
+        """(safe_open handle of example i's shard, its index there)."""
         shard, j = self.index[i]
         f = self._open.get(shard)
         if f is None:
             f = self._open[shard] = safe_open(str(shard), "pt")
+        return f, j
+
+    def __getitem__(self, i: int) -> dict:
+        # training reads examples in random order: loading whole shards (~140 MB for 64 examples)
+        # per example cost more than the head's step; reading one example's tensors costs ~1 ms
+        f, j = self._handle(i)
         return {k: f.get_tensor(f"{j}.{k}") for k in ("input_ids", "loss_mask", "aux", "final")}
 
 

@@ -82,18 +82,24 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- vocabulary
-def draft_vocab_from_features(ds: FeatureDataset, size: int, vocab: int, always=()) -> torch.Tensor:
-    """The `size` most frequent target ids among assistant tokens (ties by id), plus `always` (EOS).
-    Returned sorted ascending: draft id order = target id order."""
+def token_ranks(ds: FeatureDataset, vocab: int, always=()) -> torch.Tensor:
+    """(vocab,) rank of every target id by its count among assistant tokens (0 = most frequent; ties by
+    id); the ids in `always` (EOS) rank first."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for i in range(len(ds)):
         ids, mask = ds.tokens(i)
         counts += torch.bincount(ids.long()[mask], minlength=vocab)
     for t in always:
         counts[t] = counts.max() + 1
-    size = min(size, vocab)
-    ids = torch.argsort(-counts, stable=True)[:size]
-    return torch.sort(ids).values
+    rank = torch.empty(vocab, dtype=torch.long)
+    rank[torch.argsort(-counts, stable=True)] = torch.arange(vocab)
+    return rank
+
+
+def draft_vocab_from_features(ds: FeatureDataset, size: int, vocab: int, always=()) -> torch.Tensor:
+    """The `size` most frequent target ids among assistant tokens (ties by id), plus `always` (EOS).
+    Returned sorted ascending: draft id order = target id order."""
+    return torch.nonzero(token_ranks(ds, vocab, always) < min(size, vocab)).flatten()
 
 
 # ----------------------------------------------------------------------------- DART
@@ -400,7 +406,7 @@ def decoding_tau(target, head, kind: str, max_new_tokens: int = 48, ngram=None) 
     tokens = steps = 0
     for text in CALIBRATION_PROMPTS:
         res = generate(target, target.encode_prompt(text), drafter, GenerationConfig(max_new_tokens=max_new_tokens))
-        tokens += sum(st["accept_len"] + 1 for st in res.steps)
+        tokens += res.tau * len(res.steps)  # pooled over the prompts: tokens / steps
         steps += len(res.steps)
     return round(tokens / max(steps, 1), 4)
 
@@ -554,7 +560,7 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
                 last_val = rec["val"] = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
             if cfg.decode_every and acc.is_main_process and (step % cfg.decode_every == 0 or step == cfg.max_steps):
                 if ngram is None and cfg.kind == "dart":
-                    ngram = _training_ngram(target)
+                    ngram = load_ngram_for(target, "sharegpt")  # the DART search's default table
                 rec["decode_tau"] = decoding_tau(target, raw, cfg.kind, cfg.decode_tokens, ngram)
             if acc.is_main_process:
                 logf.write(json.dumps(rec) + "\n")
@@ -578,11 +584,6 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         _export(raw, out / "head", summary)
     return summary
-
-
-def _training_ngram(target):
-    """The DART search's default n-gram table (ShareGPT), for the decoding-tau measurement."""
-    return load_ngram_for(target, "sharegpt")
 
 
 def _resume(ckpt: Path, cfg: TrainConfig, head, opt, sched, log) -> tuple[int, float, int]:

@@ -16,6 +16,7 @@ import torch
 from dart_lab import GenerationConfig, generate, load_target
 from dart_lab.data import load_prompts
 from dart_lab.features import FeatureDataset
+from dart_lab.train import token_ranks
 
 SIZES = (4096, 8192, 16384, 24576, 32768)
 
@@ -29,14 +30,7 @@ def main() -> None:
     a = ap.parse_args()
     target = load_target("smollm2-135m")
     ds = FeatureDataset(Path(a.features) / "train")
-    counts = torch.zeros(target.vocab_size, dtype=torch.long)
-    for i in range(len(ds)):
-        ids, mask = ds.tokens(i)
-        counts += torch.bincount(ids.long()[mask], minlength=target.vocab_size)
-    for t in target.eos_ids:
-        counts[t] = counts.max() + 1
-    rank = torch.empty(target.vocab_size, dtype=torch.long)
-    rank[torch.argsort(-counts, stable=True)] = torch.arange(target.vocab_size)
+    rank = token_ranks(ds, target.vocab_size, always=sorted(target.eos_ids))  # as `dart-lab train` picks
     out = {"features": str(a.features), "train_conversations": len(ds), "num_prompts": a.num_prompts,
            "max_new_tokens": a.max_new_tokens, "dtype": str(target.dtype), "outside_share": {}}
     for name in ("mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca"):
