@@ -66,7 +66,8 @@ def fingerprint(target) -> dict:
         cpu = torch.cuda.get_device_name(dev)
     return {"device": str(dev.type), "hardware": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "target": target.name, "layers": target.num_layers,
-            "hidden": target.hidden_size, "dtype": str(target.dtype), "runner": getattr(target, "runner", "hf")}
+            "hidden": target.hidden_size, "dtype": str(target.dtype), "runner": getattr(target, "runner", "hf"),
+            "packed_weights": getattr(target, "packs_weights", False)}
 
 
 @torch.no_grad()

@@ -57,3 +57,30 @@ def test_truncate_drops_speculative_entries():
     t.commit([0])
     t.prefill(torch.tensor([3, 4, 5]))
     torch.testing.assert_close(a, t.verify(Tree.single(9)).logits[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v projections with bias
+def test_packed_projections_equal_the_modules_and_follow_weight_edits(arch):
+    """The oneDNN-packed fused projections (CPU) compute what the HF modules compute, and an in-place
+    weight edit after packing reaches the forward (the packs are rebuilt, never stale)."""
+    from dart_lab.fast_llama import can_pack
+    if not can_pack(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN linear")
+    model = tiny_model(arch)
+    t = make_target(model, runner="fast")
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    tree = Tree(torch.tensor([7, 8, 9]), torch.tensor([-1, 0, 0]))
+
+    def run(pack):
+        t.pack_weights = pack
+        t.prefill(prompt)
+        return t.verify(tree).logits
+
+    packed = run(True)
+    assert t._packed is not None
+    torch.testing.assert_close(packed, run(False), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+    edited = run(True)
+    assert not torch.allclose(edited, packed, atol=1e-3)
+    torch.testing.assert_close(edited, run(False), atol=1e-5, rtol=1e-5)
