@@ -137,10 +137,13 @@ def acceptance_profile(steps: list[dict], max_nodes: int) -> list[float]:
     return [1.0 + sum(sum(1 for r in rs if r < th) for rs in ranked) / len(ranked) for th in range(max_nodes + 1)]
 
 
-def choose_budget(tau: list[float], verify_ms: dict[int, float], overhead_ms: float) -> dict:
-    """The theta with the best expected speed; theta 0 (plain AR steps) when none beats AR."""
+def choose_budget(tau: list[float], verify_ms: dict[int, float], overhead_ms: float, overhead_scale=None) -> dict:
+    """The theta with the best expected speed; theta 0 (plain AR steps) when none beats AR.
+    overhead_ms: drafting + search per step at the widest theta; overhead_scale(theta): its fraction
+    at theta (default 1: a DART head forward and search cost about the same for every theta)."""
     ar = 1.0 / interpolate(verify_ms, 1)
-    speed = [ar] + [tau[th] / (interpolate(verify_ms, th + 1) + overhead_ms) for th in range(1, len(tau))]
+    scale = overhead_scale or (lambda th: 1.0)
+    speed = [ar] + [tau[th] / (interpolate(verify_ms, th + 1) + overhead_ms * scale(th)) for th in range(1, len(tau))]
     best = max(range(len(speed)), key=lambda th: (speed[th], -th))
     return {"theta": best, "expected_speedup_vs_ar": speed[best] / ar,
             "expected_speedup_by_theta": [round(v / ar, 4) for v in speed], "overhead_ms": overhead_ms,

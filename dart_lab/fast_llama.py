@@ -77,6 +77,34 @@ class PackedLinear:
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def pack_linears(root: torch.nn.Module) -> int:
+    """Inference on a CPU: every nn.Linear under `root` computes through a PackedLinear, built on first
+    use and rebuilt when its weight's dtype, device, storage or version changes; with autograd recording
+    (training) or where packing does not apply, the module's own forward. The state dict is untouched.
+    Used for the draft heads (drafters.HeadDrafter). Returns how many linears were wrapped."""
+    n = 0
+    for m in root.modules():
+        if isinstance(m, torch.nn.Linear) and "forward" not in m.__dict__:
+            m.forward = _PackedForward(m)
+            n += 1
+    return n
+
+
+class _PackedForward:
+    def __init__(self, m: torch.nn.Linear):
+        self.m, self.key, self.pack = m, None, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.m.weight
+        if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != w.dtype or not can_pack(w.device, w.dtype):
+            return F.linear(x, w, self.m.bias)
+        key = (w.dtype, w.data_ptr(), w._version)
+        if key != self.key:
+            with torch.no_grad():
+                self.pack, self.key = PackedLinear(self.m), key
+        return self.pack(x)
+
+
 @dataclass
 class FastTarget(Target):
     """`Target` with the lean forward (module docstring). Same protocol: prefill, verify, commit."""

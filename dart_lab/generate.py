@@ -43,6 +43,11 @@ class Drafter:
     def observe(self, ids: list[int], aux: torch.Tensor | None) -> None:
         pass
 
+    def draft_cost_scale(self, nodes: int, widest: int) -> float:
+        """Drafting + search time with a budget of `nodes`, as a fraction of its time at `widest`
+        (the calibration budget); the automatic budget (methods.Runner) prices each theta with it."""
+        return 1.0
+
     def config(self) -> dict:
         return {"name": self.name}
 

@@ -204,7 +204,8 @@ class Runner:
         t = self.target
         self.cost = cost_curve(t, cfg)
         key = {"drafter": self.drafter.config(), "weights": _weights_digest(self.drafter), "target": t.name,
-               "dtype": str(t.dtype), "budget": dataclasses.asdict(cfg), "prompts": CALIBRATION_PROMPTS}
+               "dtype": str(t.dtype), "budget": dataclasses.asdict(cfg), "prompts": CALIBRATION_PROMPTS,
+               "machine": self.cost["fingerprint"]}  # drafting time depends on the machine and runner
         path = cache_dir() / "calibration" / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str)
                                                               .encode()).hexdigest()[:16] + ".json")
         try:
@@ -244,11 +245,17 @@ class Runner:
 
     def _choose(self) -> None:
         probe = BudgetConfig().max_nodes
+        # tau(theta) = 1 + sum over k < theta of P(the rank-k node is accepted), each term over the
+        # steps whose budget covered rank k. Why per term: after theta is chosen, only ranks < theta
+        # get new (bench-prompt) steps; averaging whole sums per theta would mix two prompt
+        # populations at the boundary and make tau(theta) jump and dip there, pulling theta toward
+        # wherever it already is. Per-term estimates keep tau(theta) non-decreasing.
         tau = [1.0]
-        for th in range(1, probe + 1):  # tau(theta) over the steps whose budget covered theta
+        for th in range(1, probe + 1):
             rs = [r for b, r in self._observed if b >= th]
-            tau.append(1.0 + statistics.fmean(sum(1 for x in r if x < th) for r in rs) if rs else tau[-1])
-        self.budget = {**choose_budget(tau, self.cost["verify_ms"], self._overhead),
+            tau.append(tau[-1] + (statistics.fmean(sum(1 for x in r if x == th - 1) for r in rs) if rs else 0.0))
+        scale = lambda th: self.drafter.draft_cost_scale(th, probe)  # noqa: E731
+        self.budget = {**choose_budget(tau, self.cost["verify_ms"], self._overhead, scale),
                        "tau_by_theta": [round(v, 4) for v in tau], "steps_observed": len(self._observed),
                        "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"],
                        "cost_refreshes": self.cost.get("refreshes", 0)}

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The engine benchmark (issue "speed where the user is"): every method interleaved per prompt, auto dtype,
-# auto tree budget, 10 prompts x 128 new tokens per dataset at T=0, and 5 x 128 at T=1 (DART vs AR vs EAGLE-3).
+# The engine benchmark (issues "speed where the user is" and "context-aware DART"): one `dart-lab bench`
+# per dataset and temperature, every method interleaved per prompt, auto dtype, auto tree budget, 128 new
+# tokens per prompt, on the paper's five datasets plus the copy-heavy `copy_edit` set:
+#   T=0: ar, dart, dart-ctx and its two parts alone, eagle3, pld, HF generate -- NUM_PROMPTS per dataset
+#   T=1: ar, dart, dart-ctx, eagle3, pld                                      -- T1_PROMPTS per dataset
 # Run it on an idle machine: each JSON records the machine's load and marks a contended run.
 #   bash reproduce/engine_bench.sh [OUT_DIR]      (NUM_PROMPTS=5 T1_PROMPTS=3 for a shorter run)
 set -euo pipefail
@@ -9,12 +12,16 @@ OUT=${1:-reproduce/results/engine}
 B=.venv/bin
 N0=${NUM_PROMPTS:-10}
 N1=${T1_PROMPTS:-5}
+DATASETS=${DATASETS:-mt_bench humaneval gsm8k code_alpaca alpaca copy_edit}
 mkdir -p "$OUT"
-for ds in mt_bench humaneval gsm8k code_alpaca alpaca; do
-  $B/dart-lab bench --methods ar,dart,eagle3,pld,hf --dataset "$ds" --num-prompts "$N0" --max-new-tokens 128 \
-    --out "$OUT/${ds}_T0.json" --no-progress
+START=$(date +%s)
+for ds in $DATASETS; do
+  $B/dart-lab bench --methods ar,dart,dart-ctx,dart-ctx-ngram,dart-ctx-copy,eagle3,pld,hf --dataset "$ds" \
+    --num-prompts "$N0" --max-new-tokens 128 --out "$OUT/${ds}_T0.json" --no-progress
 done
-for ds in mt_bench humaneval gsm8k code_alpaca alpaca; do
-  $B/dart-lab bench --methods ar,dart,eagle3 --dataset "$ds" --num-prompts "$N1" --max-new-tokens 128 \
+for ds in $DATASETS; do
+  $B/dart-lab bench --methods ar,dart,dart-ctx,eagle3,pld --dataset "$ds" --num-prompts "$N1" --max-new-tokens 128 \
     --temperature 1.0 --out "$OUT/${ds}_T1.json" --no-progress
 done
+$B/python reproduce/engine_table.py "$OUT"
+echo "engine bench: $(( ($(date +%s) - START) / 60 )) min"

@@ -1,6 +1,7 @@
 """The tree budget: the tree of a smaller budget is the best-ranked part of a bigger one, so one
 decode at the widest budget tells the accepted length at every smaller budget; theta is chosen by
 expected speed and falls back to AR when nothing beats it."""
+import pytest
 import torch
 
 from conftest import tiny_target
@@ -98,3 +99,16 @@ def test_cost_curve_follows_the_machine():
     assert res.tokens == ar.tokens
     assert r.budget["cost_refreshes"] == 1 and r.budget["verify_ms"] != stale
     assert min(r.budget["verify_ms"].values()) > 10 * max(stale.values())
+
+
+def test_tau_by_theta_stays_monotone_when_steps_come_from_two_budgets():
+    """Calibration steps at the widest budget, then bench steps at a small theta that accept more:
+    tau(theta) is built term by term (P(rank k accepted), each over the steps that covered rank k),
+    so it never dips at the boundary between the two populations."""
+    r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
+    r._observed = [(64, [0])] * 10 + [(64, [0, 1, 5])] * 10 + [(2, [0, 1])] * 100
+    r._choose()
+    tau = r.budget["tau_by_theta"]
+    assert all(a <= b for a, b in zip(tau, tau[1:]))
+    # rank 0: accepted in all 120 steps; rank 1 in 110 of 120; rank 5 in 10 of 20 (the wide steps)
+    assert tau[1] == 2.0 and tau[2] == pytest.approx(2 + 110 / 120, abs=1e-4) and tau[6] == pytest.approx(tau[2] + 0.5, abs=1e-4)

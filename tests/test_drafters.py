@@ -243,6 +243,29 @@ def test_eagle3_tree_counts_as_the_released_builder():
     assert len(t) == 1 + 4 + 3 * 16 and int(t.depths.max()) == 4
 
 
+def test_eagle3_skips_the_levels_its_budget_cannot_keep():
+    """With theta drafted nodes no node deeper than theta makes the cut, so the forwards for deeper
+    levels are skipped: the same tree, cheaper (and the budget prices drafting per theta)."""
+    target = tiny_target("llama")
+    head = random_head(target, "eagle3")
+    ids = [3, 4, 5, 6, 7, 8]
+    aux = torch.randn(6, 3 * target.hidden_size)
+    for nodes in (1, 2, 4, 7, 12):
+        trees = []
+        for cut in (True, False):
+            d = Eagle3Drafter(head, Eagle3TreeConfig())
+            d.set_budget(nodes)
+            if not cut:
+                d._forwards = lambda n, d=d: d.tree_cfg.depth
+            d.begin(target, ids, aux)
+            trees.append(d.propose(ids))
+        assert len(trees[0]) == nodes + 1
+        assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+        assert trees[0].parents.tolist() == trees[1].parents.tolist()
+    d = Eagle3Drafter(head, Eagle3TreeConfig())
+    assert d.draft_cost_scale(3, 64) == pytest.approx(3 / (1 + d.tree_cfg.depth)) and d.draft_cost_scale(64, 64) == 1.0
+
+
 def test_context_that_adds_nothing_drafts_exactly_what_dart_drafts():
     target = tiny_target("qwen3")
     head, ng = random_head(target, "dart"), tiny_ngram(target)
@@ -255,7 +278,7 @@ def test_context_that_adds_nothing_drafts_exactly_what_dart_drafts():
         [(s["tree_size"], s["accept_len"], s["path_ranks"]) for s in b.steps]
 
 
-def test_copy_candidates_enter_the_tree():
+def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
     target = tiny_target("llama")
     ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
     assert copy_chain(ids, 3, 10) == [13, 14, 15, 16, 40, 41, 10, 11, 12]
@@ -263,8 +286,22 @@ def test_copy_candidates_enter_the_tree():
     d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16), ContextConfig(w_context=0.0))
     d.begin(target, ids, out.aux)
     tree = d.propose(ids)
-    toks = tree.tokens.tolist()
-    paths = {tuple(toks[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
-    assert (13, 14, 15, 16) in paths  # the copy wins places on the search's own scale ...
-    assert sum(1 for p in paths if p[0] != 13) >= 4  # ... without taking over the whole tree
-    assert len(tree) == 17
+
+    def paths(tree):
+        toks = tree.tokens.tolist()
+        return {tuple(toks[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
+
+    # prior p = 0.5 and copy_min_prob 0.1 keep 3 copy nodes (0.5^3 >= 0.1 > 0.5^4), on top of the 16
+    assert d.copy_prob() == 0.5 and len(tree) == 1 + 16 + 3
+    assert (13, 14, 15) in paths(tree)  # the copy wins places on the search's own scale ...
+    assert sum(1 for p in paths(tree) if p[0] != 13) >= 4  # ... without taking over the head's guesses
+    # the target kept all 3 copy tokens: p = (4 * 0.5 + 3) / (4 + 3), and the next copy reaches deeper
+    ids = ids + [13, 14, 15, 16]
+    d.observe(ids, out.aux[-4:])
+    assert d.copy_prob() == pytest.approx(5 / 7)
+    tree = d.propose(ids)
+    assert len(tree) == 1 + 16 + 6  # (5/7)^6 >= 0.1 > (5/7)^7
+    assert (40, 41, 10, 11, 12, 13) in paths(tree)
+    # it rejected the first copy token: one failed trial, p falls
+    d.observe(ids + [99], out.aux[-1:])
+    assert d.copy_prob() == pytest.approx(5 / 8)
