@@ -138,7 +138,9 @@ def _row(res, prompt, method, ar):
            "emitted": sum(s["accept_len"] + 1 for s in steps),
            "tau": res.tau if steps else None, "draft_ms": mean("draft_ms"), "search_ms": mean("search_ms"),
            "verify_ms": mean("verify_ms"), "accept_lens": [s["accept_len"] for s in steps],
-           "stop_reason": res.stop_reason}
+           "stop_reason": res.stop_reason,
+           "theta": (res.config or {}).get("tree_budget", {}).get("theta"),  # auto budget: theta used
+           "drafted_nodes": mean("tree_size") - 1 if steps and "tree_size" in steps[0] else 0.0}
     if ar is not None:
         row["match_ar"] = res.tokens == ar.tokens
         if not row["match_ar"]:
@@ -177,6 +179,10 @@ def aggregate(rows: list[dict], methods, greedy: bool) -> dict:
             d["divergences"] = len(margins)
             d["max_divergence_margin"] = max(margins) if margins else None
             d["unexplained_divergences"] = sum(1 for m in margins if m > NEAR_TIE_LOGITS)
+        thetas = [r["theta"] for r in rs if r.get("theta") is not None]
+        d["theta_range"] = [min(thetas), max(thetas)] if thetas else None
+        w = [(r.get("drafted_nodes", 0.0), r["verify_steps"]) for r in rs if r["verify_steps"]]
+        d["drafted_nodes_mean"] = sum(a * b for a, b in w) / max(sum(b for _, b in w), 1) if w else 0.0
         hist = {}
         for r in rs:
             for a in r["accept_lens"]:

@@ -67,7 +67,8 @@ def fingerprint(target) -> dict:
     return {"device": str(dev.type), "hardware": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "target": target.name, "layers": target.num_layers,
             "hidden": target.hidden_size, "dtype": str(target.dtype), "runner": getattr(target, "runner", "hf"),
-            "packed_weights": getattr(target, "packs_weights", False)}
+            "packed_weights": getattr(target, "packs_weights", False),
+            "attention_dtype": str(getattr(target, "cache_dtype", target.dtype))}
 
 
 @torch.no_grad()

@@ -167,13 +167,10 @@ class Attention(nn.Module):
         if past_kv is not None and past_kv[0].shape[-2] > 0:
             k = torch.cat([past_kv[0], k], dim=-2)
             v = torch.cat([past_kv[1], v], dim=-2)
-        if self.nkv != self.nh:
-            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
-            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
         if mask is None:  # causal over the new positions, everything cached is visible
             P = k.shape[-2] - T
             mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), new_kv
 
 

@@ -1,0 +1,100 @@
+"""Markdown tables of an engine benchmark (reproduce/engine_bench.sh): speedup over AR (tau) per method
+and dataset at T=0 and T=1, the ratios the issues ask for, theta chosen, load and divergences.
+
+    .venv/bin/python reproduce/engine_table.py [reproduce/results/engine]
+"""
+import json
+import statistics
+import sys
+from pathlib import Path
+
+PAPER = ["mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca"]
+SHORT = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "code_alpaca": "CodeAlpaca",
+         "alpaca": "Alpaca", "copy_edit": "copy_edit"}
+
+
+def load(out: Path, temp: str) -> dict:
+    return {f.stem[:-3]: json.loads(f.read_text()) for f in sorted(out.glob(f"*_{temp}.json"))}
+
+
+def table(runs: dict, methods: list[str]) -> list[str]:
+    ds = [d for d in PAPER + ["copy_edit"] if d in runs]
+    lines = ["| speedup over AR (tau) | " + " | ".join(SHORT[d] for d in ds) + " | mean of the paper's five | theta |",
+             "|---" * (len(ds) + 3) + "|"]
+    for m in methods:
+        cells, sp = [], []
+        thetas = []
+        for d in ds:
+            r = runs[d]["methods"].get(m)
+            if r is None:
+                cells.append("-")
+                continue
+            tau = f" ({r['tau']:.2f})" if r.get("tau") and m not in ("ar", "hf") else ""
+            cells.append(f"{r['speedup_vs_ar']:.2f}{tau}")
+            if d in PAPER:
+                sp.append(r["speedup_vs_ar"])
+            if r.get("theta_range"):
+                thetas += r["theta_range"]
+        mean = f"**{statistics.fmean(sp):.2f}**" if sp else "-"
+        th = (f"{min(thetas)}-{max(thetas)}" if min(thetas) != max(thetas) else str(thetas[0])) if thetas else "-"
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {mean} | {th} |")
+    return lines
+
+
+def ratio(runs: dict, a: str, b, label: str) -> str:
+    """tokens/s of a over b (b: a method or a list: the faster of them per dataset)."""
+    cells, vals = [], []
+    for d in [d for d in PAPER + ["copy_edit"] if d in runs]:
+        m = runs[d]["methods"]
+        bs = [b] if isinstance(b, str) else b
+        if a not in m or not all(x in m for x in bs):
+            cells.append("-")
+            continue
+        v = m[a]["tokens_per_s"] / max(m[x]["tokens_per_s"] for x in bs)
+        cells.append(f"{SHORT[d]} {v:.2f}")
+        if d in PAPER:
+            vals.append(v)
+    if all(c == "-" for c in cells):
+        return None
+    mean = f"; mean of the five {statistics.fmean(vals):.2f}" if vals else ""
+    return f"- {label}: " + ", ".join(c for c in cells if c != "-") + mean
+
+
+def main():
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "reproduce/results/engine")
+    for temp in ("T0", "T1"):
+        runs = load(out, temp)
+        if not runs:
+            continue
+        methods = [m for m in next(iter(runs.values()))["methods"] if m != "ar"]
+        print(f"\n### {temp} ({next(iter(runs.values()))['config']['num_prompts']} prompts x 128 tokens per dataset)\n")
+        print("\n".join(table(runs, methods)))
+        print()
+        for line in (ratio(runs, "dart", "hf", "dart over HF generate"), ratio(runs, "ar", "hf", "our AR over HF generate"),
+                     ratio(runs, "dart", "eagle3", "dart over eagle3"),
+                     ratio(runs, "dart-ctx", ["dart", "pld"], "dart-ctx over the faster of dart and pld")):
+            if line:
+                print(line)
+        load_ = [r["machine_load"] for r in runs.values()]
+        print(f"- machine: other processes {min(x['others_cores'] for x in load_):.2f}-"
+              f"{max(x['others_cores'] for x in load_):.2f} cores; contended runs: "
+              f"{sum(x['contended'] for x in load_)} of {len(load_)}")
+        if temp == "T0":
+            div = [(d, m, r.get("divergences", 0), r.get("max_divergence_margin"), r.get("unexplained_divergences", 0))
+                   for d, run in runs.items() for m, r in run["methods"].items() if m not in ("ar",)]
+            n = sum(x[2] or 0 for x in div)
+            worst = max((x[3] for x in div if x[3] is not None), default=None)
+            print(f"- divergences from AR (bf16): {n} (method, prompt) pairs, largest AR top-1 minus top-2 margin there "
+                  f"{worst}; unexplained: {sum(x[4] or 0 for x in div)}")
+            r = runs.get("mt_bench") or next(iter(runs.values()))
+            b = r["drafters"].get("dart", {}).get("tree_budget")
+            if b:
+                v = b["verify_ms"]
+                one = v.get("1") or v.get(1)
+                print("- cost curve (verify ms of N nodes, MT-bench run): " + ", ".join(
+                    f"N={k} {float(ms):.1f} ({float(ms) / one:.2f}x)" for k, ms in sorted(v.items(), key=lambda kv: int(kv[0]))
+                    if int(k) in (1, 4, 8, 16, 32, 64)))
+
+
+if __name__ == "__main__":
+    main()
