@@ -6,7 +6,8 @@ through the HF public forward is overhead -- the 4D additive mask HF rebuilds, a
 grows by concatenation every step, the full hidden-states tuple -- not the matmuls. Here:
   - a preallocated KV cache (L, 1, kv_heads, capacity, head_dim) per K and V, written in place;
     compaction of the accepted path is ONE gather/scatter over all layers (`commit`);
-  - tree attention with a boolean (N, P+N) mask built once per step, GQA inside SDPA;
+  - tree attention with a boolean (N, P+N) mask built once per step, GQA inside SDPA; for a half
+    type on a CPU the cache and the attention are fp32 (SDPA's CPU kernel is faster there);
   - the three aux states taken where they are produced (inputs of layers 2, L//2, L-3);
   - logits only where needed (prefill: the last row unless asked for all);
   - on a CPU, the projections as oneDNN-packed fused weights (q|k|v and gate|up as one matmul each):
