@@ -28,3 +28,4 @@ for ds, m in rows.items():
 mean = lambda k: sum(m[k]["tau"] for m in rows.values()) / len(rows)
 print(f"| mean | {mean('dart'):.2f} | {mean('eagle3'):.2f} |")
 PY
+$B/python reproduce/update_cards.py --decoding-tau-only  # the model cards state these figures

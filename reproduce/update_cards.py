@@ -1,9 +1,11 @@
 """Append the measured-after-training section to the model cards of the shipped heads
 (dart_lab/heads/smollm2-135m/{dart,eagle3}/README.md): held-out alpha / acc / hit@10 / chain tau on
 the 64 validation conversations of the feature cache, and the regenerated-answers measurement from
-reproduce/results/embedded/regeneration.json (written by reproduce/regen_ablation.sh).
+reproduce/results/embedded/regeneration.json (written by reproduce/regen_ablation.sh), and the decoding
+tau per dataset from reproduce/results/heads/ (written by reproduce/head_tau_bench.sh).
 
     python reproduce/update_cards.py --features runs/features
+    python reproduce/update_cards.py --decoding-tau-only      (after head_tau_bench.sh; no target needed)
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "\n## Measured after training\n"
+MARK_TAU = "\n## Decoding tau on the benchmark prompts\n"
 
 
 def _fmt(xs) -> str:
@@ -57,11 +60,31 @@ def regen_section(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tau_section(kind: str, results: Path = ROOT / "reproduce/results/heads") -> str:
+    """Decoding tau of the shipped head with the paper's 60-node tree, per dataset (head_tau_bench.sh)."""
+    runs = {f.stem.replace("_tau60", ""): json.loads(f.read_text()) for f in sorted(results.glob("*_tau60.json"))}
+    rows = [(ds, r["methods"][kind]["tau"], r["config"]["num_prompts"]) for ds, r in runs.items() if kind in r["methods"]]
+    if not rows:
+        return MARK_TAU + "Not measured (run `bash reproduce/head_tau_bench.sh`).\n"
+    lines = [MARK_TAU.lstrip("\n").rstrip(), "", "`bash reproduce/head_tau_bench.sh` (T=0, the paper's 60-node tree, "
+             "128 new tokens per prompt, bf16; where the output left AR it was at a near-tie of AR's own choice):", "",
+             "| dataset | prompts | tau |", "|---|---|---|"]
+    lines += [f"| {ds} | {n} | {tau:.2f} |" for ds, tau, n in rows]
+    lines.append(f"| mean | | {sum(t for _, t, _ in rows) / len(rows):.2f} |")
+    return "\n" + "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--features", default="runs/features")
     ap.add_argument("--num", type=int, default=64)
+    ap.add_argument("--decoding-tau-only", action="store_true", help="only refresh the decoding-tau section")
     args = ap.parse_args()
+    if args.decoding_tau_only:
+        for kind in ("dart", "eagle3"):
+            card = ROOT / f"dart_lab/heads/smollm2-135m/{kind}/README.md"
+            card.write_text(card.read_text().split(MARK_TAU)[0] + tau_section(kind))
+        return 0
     import torch
 
     from dart_lab import load_target
@@ -74,7 +97,7 @@ def main() -> int:
         head = load_head(target, kind, "", random_heads=False).to(torch.float32)
         ev = evaluate_head(target, head, args.features, kind, args.num)
         card = ROOT / f"dart_lab/heads/smollm2-135m/{kind}/README.md"
-        text = card.read_text().split(MARK)[0]
+        text = card.read_text().split(MARK)[0].split(MARK_TAU)[0]
         note = ("DART levels are predicted from the prefix alone (no earlier draft token is read)."
                 if kind == "dart" else
                 "EAGLE-3 levels are teacher-forced (step k reads the true earlier tokens), so acc-k is P(level k right | "
@@ -83,7 +106,7 @@ def main() -> int:
                  f"({ev['anchors']} anchors in {args.num} held-out ShareGPT conversations, records 17000+):\n\n"
                  f"- acc (top-1 per level) = {_fmt(ev['acc'])}\n- hit@10 per level = {_fmt(ev['hit10'])}\n"
                  f"- alpha (conditional chain acceptance) = {_fmt(ev['alpha'])}\n"
-                 f"- simulated greedy chain tau = {ev['tau_chain']:.3f}\n\n{note}\n" + regen)
+                 f"- simulated greedy chain tau = {ev['tau_chain']:.3f}\n\n{note}\n" + regen + tau_section(kind))
         card.write_text(text)
         print(f"{kind}: chain tau {ev['tau_chain']}, acc {ev['acc']}")
     return 0
