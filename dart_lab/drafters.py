@@ -34,7 +34,7 @@ class HeadDrafter(Drafter):
         super().__init__()
         self.head = head
         self._d2t = head.draft_to_target()
-        pack_linears(head)  # CPU inference: oneDNN-packed weights (draft matmuls ~1.7x faster at M <= 16)
+        pack_linears(head)  # CPU inference: oneDNN-packed weights (head forward ~10 % faster here)
 
     def begin(self, target, ids, aux):
         self.eos = target.eos_ids
