@@ -122,9 +122,15 @@ def _merge_paths(tok, par, score, lvl, extra_paths):
             np.concatenate([score, np.asarray(add_score, np.float32)]), np.concatenate([lvl, np.asarray(add_lvl, np.int64)]))
 
 
-def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=()):
+def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=(), prune=True):
     D = logp.shape[0] if not cfg.max_depth else min(cfg.max_depth, logp.shape[0])
     D = min(D, max(cfg.max_nodes, 1))  # exact: a node at depth d needs d - 1 kept ancestors
+    # Exact for a tree of N = max_nodes < beam_width nodes: a beam of N gives the same tree. A kept node
+    # with a kept child outranks that child, so fewer than N candidates of its level rank above it:
+    # it is within the first N of its level's beam. A node ranked N or lower in its level's beam is
+    # outranked by N kept nodes, and so is everything under it. (The paper's 60 nodes: beam 20, as
+    # released.) Small CPU trees search 2.5x fewer n-gram lookups; `prune=False` is the reference.
+    beam_width = min(cfg.beam_width, max(cfg.max_nodes, 1)) if prune and not extra_paths else cfg.beam_width
     K = tokens.shape[1]
     f32 = np.float32
     logp = np.asarray(logp, dtype=f32)
@@ -160,7 +166,7 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
         sizes.append(B * K)
         # next beam: non-EOS first, then score desc, then candidate index (stable)
         is_eos = np.broadcast_to(eos_tok[lvl], (B, K)).ravel()
-        order = np.lexsort((-score, is_eos))[: cfg.beam_width]
+        order = np.lexsort((-score, is_eos))[:beam_width]
         order = order[~is_eos[order]]  # EOS paths are finished: never expanded
         beam_idx = n_cand + order
         beam_score = score[order]

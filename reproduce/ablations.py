@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--gammas", default="0.5,0.6,0.7,0.8,0.9,1.0")
     ap.add_argument("--val-examples", type=int, default=64)
+    ap.add_argument("--noise-seeds", default="1", help="extra seeds of gamma 0.6: run-to-run noise ('' = none)")
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--results", default=str(ROOT / "reproduce/results/embedded"))
     args = ap.parse_args()
@@ -42,6 +43,10 @@ def main() -> int:
               "--val-examples", str(args.val_examples), "--save-every", "50", "--seqs-per-step", "2"]
     jobs = {f"gamma_{g}": ["--gamma", g] for g in args.gammas.split(",")}
     jobs["unshifted_0.6"] = ["--gamma", "0.6", "--unshifted"]
+    # The same setting with another seed (data order, anchors, init of the new weights): the noise that a
+    # difference between two rows must exceed before it means anything.
+    seeds = [int(x) for x in args.noise_seeds.split(",") if x.strip()]
+    jobs.update({f"seed_{s}_gamma_0.6": ["--gamma", "0.6", "--seed", str(s)] for s in seeds})
     threads = max(1, (os.cpu_count() or 1) // args.parallel)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     exe = [sys.executable, "-m", "dart_lab"]
@@ -78,7 +83,13 @@ def main() -> int:
            "definitions": "alpha: conditional chain acceptance per level; acc: unconditional top-1 per level; "
                           "hit10: target token in the draft's top 10; tau_chain: simulated greedy chain tau "
                           "(held-out ShareGPT conversations, teacher-forced prefix)"}
-    sweep = {**how, "rows": [{"gamma": float(k.split("_")[1]), **row(k)} for k in jobs if k.startswith("gamma_")]}
+    noise = [{"seed": 0, **row("gamma_0.6")}] + [{"seed": s, **row(f"seed_{s}_gamma_0.6")} for s in seeds]
+    def spread(values):
+        return round(max(values) - min(values), 4)
+    spread = {"tau_chain": spread([r["tau_chain"] for r in noise]), "acc_1": spread([r["acc"][0] for r in noise])}
+    sweep = {**how, "rows": [{"gamma": float(k.split("_")[1]), **row(k)} for k in jobs if k.startswith("gamma_")],
+             "noise": {"rows": noise, "spread": spread,
+                       "what": "gamma 0.6 trained with different seeds; spread = max - min over the seeds"}}
     write_json(Path(args.results) / "gamma_sweep.json", sweep)
     shift = {**how, "rows": [{"variant": "shifted", **row("gamma_0.6")}, {"variant": "unshifted", **row("unshifted_0.6")}]}
     write_json(Path(args.results) / "shift_ablation.json", shift)
@@ -86,6 +97,7 @@ def main() -> int:
         print(f"gamma {r['gamma']}: acc {r['acc']} tau_chain {r['tau_chain']}")
     for r in shift["rows"]:
         print(f"{r['variant']}: acc {r['acc']} hit10 {r['hit10']}")
+    print(f"noise (gamma 0.6, seeds {[r['seed'] for r in noise]}): spread {spread}")
     return 0
 
 

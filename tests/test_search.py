@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_lab.ngram import NGram
-from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
+from dart_lab.search import TreeSearchConfig, _search, topk_levels, tree_search
 
 V = 40
 
@@ -74,13 +74,14 @@ def tree_paths(tree):
     return {tuple(toks[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
 
 
-@given(st.integers(0, 10_000), st.sampled_from([0.0, 0.5]), st.integers(1, 6))
-@settings(max_examples=30, deadline=None)
-def test_matches_naive_reference(seed, w_ng, depth):
+@given(st.integers(0, 10_000), st.sampled_from([0.0, 0.5]), st.integers(1, 6), st.integers(1, 12))
+@settings(max_examples=40, deadline=None)
+def test_matches_naive_reference(seed, w_ng, depth, max_nodes):
+    """Also for budgets below the beam width, where the search runs a beam of max_nodes (exact)."""
     ng, seqs = make_ngram(seed % 7)
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(depth, V, generator=g) * 3
-    cfg = TreeSearchConfig(topk=8, beam_width=5, max_nodes=12, w_ngram=w_ng)
+    cfg = TreeSearchConfig(topk=8, beam_width=5, max_nodes=max_nodes, w_ngram=w_ng)
     context = torch.randint(0, V, (5,), generator=g).tolist()
     eos = frozenset({3})
     logp, toks = topk_levels(logits, cfg.topk)
@@ -112,6 +113,22 @@ def test_invariants(seed):
     sc = t1.scores.tolist()
     assert all(sc[i] <= sc[par[i]] + 1e-12 for i in range(1, len(t1)))
     assert len(t1) == cfg.max_nodes + 1  # 25 + 7 x 500 candidates: the budget is always filled
+
+
+@given(st.integers(0, 10_000))
+@settings(max_examples=20, deadline=None)
+def test_small_budget_beam_is_exact_with_ties(seed):
+    """A budget N below the beam width searches with a beam of N: the same tree node for node as the
+    full beam cut at N, also with many equal scores (quantised logits) and EOS candidates."""
+    ng, _ = make_ngram(seed % 5)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (8, V), generator=g).float()
+    logp, toks = topk_levels(logits, 25)
+    for n in range(1, 21):
+        cfg = TreeSearchConfig(topk=25, beam_width=20, max_nodes=n)
+        a = _search(logp, toks, [1, 2, 5], ng, cfg, frozenset({0}), nodes=False)
+        b = _search(logp, toks, [1, 2, 5], ng, cfg, frozenset({0}), nodes=False, prune=False)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), n
 
 
 def test_eos_paths_rank_last_in_beam():
