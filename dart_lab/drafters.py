@@ -17,6 +17,7 @@ import torch
 
 from .errors import DartLabError
 from .fast_llama import pack_linears
+from .budget import interpolate
 from .generate import Drafter
 from .ngram import NGram
 from .search import TreeSearchConfig, topk_levels, tree_search, tree_search_with_paths
@@ -40,10 +41,16 @@ class HeadDrafter(Drafter):
         self.eos = target.eos_ids
         self.kv = None
         self.n_cached = 0
+        self.pending = None
         self.observe(ids, aux)
 
     def observe(self, ids, aux):
-        self.pending = (aux, ids[-aux.shape[0]:])  # aux (n, 3H) and the token after each position
+        """Queue the accepted positions' aux (n, 3H) and the token after each position for the next head
+        forward; positions a step did not feed (a drafter may skip the head) stay queued in order."""
+        nxt = ids[-aux.shape[0]:]
+        if self.pending is not None:
+            aux, nxt = torch.cat([self.pending[0], aux]), list(self.pending[1]) + list(nxt)
+        self.pending = (aux, nxt)
 
     def feed_inputs(self, extra_positions: int = 0):
         """The pending prefix as head inputs: aux (1, n, 3H) in the head's dtype, next ids (1, n),
@@ -310,7 +317,16 @@ class ContextConfig:
     copy_min_prob: copy nodes whose path probability p^depth is at least this come ON TOP of the
         tree budget theta (up to copy_len); the rest are dropped. Why on top: on a CPU, one more tree
         node costs ~2.5 % of a step (fast runner, 8 -> 16 nodes), a copy node at depth i earns p^i
-        tokens, and theta was chosen for the head's guesses alone."""
+        tokens, and theta was chosen for the head's guesses alone.
+    copy_only: a step verifies the copy chain alone (no head forward, no search: PLD's cost) when
+        that is the faster step by the runner's cost model (methods.Runner with an automatic
+        budget; without one every step is a tree step):
+            E_copy = 1 + sum_{i<=L} p^i tokens in verify(L + 1) ms, against
+            E_copy + g tokens in verify(theta + L + 1) + draft + search ms,
+        g = the head's measured tokens beyond the copy's in this request's tree steps (prior:
+        tau(theta) - 1 worth `copy_gain_prior_steps` steps); draft + search = this request's mean
+        over its tree steps (prior: the runner's calibration figure, worth one step).
+        The head catches up on the skipped positions at its next forward (HeadDrafter.observe)."""
 
     w_context: float = 0.5
     copy: bool = True
@@ -319,6 +335,8 @@ class ContextConfig:
     copy_min_prob: float = 0.1
     copy_max_ngram: int = 3
     copy_len: int = 16
+    copy_only: bool = True
+    copy_gain_prior_steps: float = 2.0
 
 
 class MixedNGram:
@@ -346,30 +364,63 @@ class ContextDrafter(DartDrafter):
     def begin(self, target, ids, aux):
         self.copy_kept, self.copy_trials = 0, 0  # this request's copy tokens kept / tried
         self._last_copy = None  # (len(ids) at the proposal, the copy chain proposed)
+        self._tree_step = False  # was the last step a tree step (head + search)?
+        self.copy_only_steps = 0
+        self.gain_sum, self.gain_steps = 0.0, 0  # head tokens beyond the copy, over tree steps with a copy
+        self.overhead_sum, self.overhead_steps = 0.0, 0  # drafting + search ms of this request's tree steps
         super().begin(target, ids, aux)
 
     def observe(self, ids, aux):
+        kept = 0
         if self._last_copy is not None:  # score the last copy against what the target produced
             at, chain = self._last_copy
             for c, t in zip(chain, ids[at:]):  # tokens beyond what was committed are not known: no trial
                 self.copy_trials += 1
                 if c != t:
                     break
-                self.copy_kept += 1
+                kept += 1
+            self.copy_kept += kept
             self._last_copy = None
+        if self._tree_step:  # what the head's nodes added on top of the copy (all of it when none)
+            self.gain_sum += aux.shape[0] - 1 - kept
+            self.gain_steps += 1
+            self._tree_step = False
         super().observe(ids, aux)
+
+    def set_cost_model(self, verify_ms, overhead_ms, tau) -> None:
+        self.cost_model = (verify_ms, overhead_ms, tau)
+
+    def _copy_only_pays(self, L: int, p: float) -> bool:
+        """ContextConfig.copy_only: is verifying the copy chain alone the faster step?"""
+        model = getattr(self, "cost_model", None)
+        if not self.ctx.copy_only or model is None or not self.search.max_nodes:
+            return False
+        verify_ms, overhead_ms, tau = model
+        theta = self.search.max_nodes
+        w = self.ctx.copy_gain_prior_steps
+        g = (w * (tau[min(theta, len(tau) - 1)] - 1.0) + self.gain_sum) / (w + self.gain_steps)
+        overhead_ms = (overhead_ms + self.overhead_sum) / (1 + self.overhead_steps)
+        e_copy = 1.0 + float(np.sum(p ** np.arange(1, L + 1)))
+        copy_speed = e_copy / interpolate(verify_ms, L + 1)
+        tree_speed = (e_copy + g) / (interpolate(verify_ms, theta + L + 1) + overhead_ms)
+        return copy_speed > tree_speed
 
     def copy_prob(self) -> float:
         """p: the estimated chance that the target keeps the next copy token (ContextConfig)."""
         c = self.ctx
         return (c.copy_prior_weight * c.copy_p + self.copy_kept) / (c.copy_prior_weight + self.copy_trials)
 
-    def _copy_path(self, ids: list[int], ngram) -> list[tuple[list[int], np.ndarray]]:
-        c, cfg = self.ctx, self.search
+    def _copy_chain(self, ids: list[int]) -> list[int]:
+        """The copy continuation, cut where its path probability p^depth falls below copy_min_prob."""
+        c = self.ctx
         chain = copy_chain(ids, c.copy_max_ngram, c.copy_len) if c.copy else []
         p = np.float32(self.copy_prob())
-        keep = int(np.sum(p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob)) if chain else 0
-        chain = chain[:keep]
+        return chain[:int(np.sum(p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob))] if chain else []
+
+    def _copy_path(self, ids: list[int], ngram, chain: list[int]) -> list[tuple[list[int], np.ndarray]]:
+        """The copy chain as a scored candidate path (ContextConfig.copy)."""
+        cfg = self.search
+        p = np.float32(self.copy_prob())
         if not chain:
             return []
         self._last_copy = (len(ids), chain)
@@ -387,6 +438,13 @@ class ContextDrafter(DartDrafter):
 
     def propose(self, ids):
         t0 = time.perf_counter()
+        chain = self._copy_chain(ids)
+        if chain and self._copy_only_pays(len(chain), self.copy_prob()):
+            self._last_copy, self._tree_step = (len(ids), chain), False
+            self.copy_only_steps += 1
+            self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0}
+            return Tree.from_paths(ids[-1], [chain])
+        self._tree_step = True
         logits = self.draft_logits()
         logp, toks = topk_levels(logits, self.search.topk, self._d2t)
         t1 = time.perf_counter()
@@ -394,12 +452,14 @@ class ContextDrafter(DartDrafter):
         if self.ctx.w_context > 0:
             local = NGram.from_sequences([ids], self.head.cfg.vocab_size)
             ngram = MixedNGram(self.ngram, local, self.ctx.w_context if self.ngram is not None else 1.0)
-        paths = self._copy_path(ids, ngram)
+        paths = self._copy_path(ids, ngram, chain)
         search = self.search
         if paths and search.max_nodes:  # copy nodes come on top of the budget (ContextConfig)
             search = dataclasses.replace(search, max_nodes=search.max_nodes + len(paths[0][0]))
         tree = tree_search_with_paths(logp, toks, ids, ngram, search, self.eos, paths)
         self.last_timing = {"draft_ms": (t1 - t0) * 1e3, "search_ms": (time.perf_counter() - t1) * 1e3}
+        self.overhead_sum += self.last_timing["draft_ms"] + self.last_timing["search_ms"]
+        self.overhead_steps += 1
         return tree
 
     def config(self) -> dict:

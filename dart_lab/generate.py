@@ -48,6 +48,10 @@ class Drafter:
         (the calibration budget); the automatic budget (methods.Runner) prices each theta with it."""
         return 1.0
 
+    def set_cost_model(self, verify_ms: dict[int, float], overhead_ms: float, tau: list[float]) -> None:
+        """The automatic budget's measurements (methods.Runner), for drafters that decide per step:
+        verify ms by tree size, drafting + search ms per step, tau(theta) of the drafter's trees."""
+
     def config(self) -> dict:
         return {"name": self.name}
 

@@ -262,6 +262,7 @@ class Runner:
         theta = self.budget["theta"]
         if theta:
             self.drafter.set_budget(theta)
+            self.drafter.set_cost_model(self.cost["verify_ms"], self._overhead * scale(theta), tau)
 
     def generate(self, prompt_ids, cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
         if self.hf:

@@ -130,7 +130,9 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
     # it is within the first N of its level's beam. A node ranked N or lower in its level's beam is
     # outranked by N kept nodes, and so is everything under it. (The paper's 60 nodes: beam 20, as
     # released.) Small CPU trees search 2.5x fewer n-gram lookups; `prune=False` is the reference.
-    beam_width = min(cfg.beam_width, max(cfg.max_nodes, 1)) if prune and not extra_paths else cfg.beam_width
+    # With extra paths (which only raise scores or add nodes) the same holds, except that an exact
+    # float tie between a path node and a head candidate may break the other way.
+    beam_width = min(cfg.beam_width, max(cfg.max_nodes, 1)) if prune else cfg.beam_width
     K = tokens.shape[1]
     f32 = np.float32
     logp = np.asarray(logp, dtype=f32)

@@ -76,13 +76,18 @@ def test_dart_incremental_cache_equals_recompute(shifted):
     # after the loop the drafter holds a cache for ids[:-1] positions minus the pending ones; feed
     # the pending rows and compare with one forward over the whole prefix from scratch
     incremental = drafter.draft_logits()
+    torch.testing.assert_close(incremental, head_logits_from_scratch(target, head, ids), atol=1e-4, rtol=1e-4)
+    assert incremental.shape == (5, head.cfg.draft_vocab_size)  # draft_length + 1 levels
+
+
+def head_logits_from_scratch(target, head, ids):
+    """The head's draft logits after `ids` from one forward over the whole prefix (no cache)."""
     T = len(ids) - 1
     with torch.no_grad():
         out = target.model(torch.tensor(ids[:-1])[None], output_hidden_states=True)
         aux = torch.cat([out.hidden_states[i][0] for i in target.aux_layers], -1)
         full, _ = head(aux[None], torch.tensor(ids[1:])[None], torch.arange(T + head.cfg.n_masks))
-    torch.testing.assert_close(incremental, full[0], atol=1e-4, rtol=1e-4)
-    assert incremental.shape == (5, head.cfg.draft_vocab_size)  # draft_length + 1 levels
+    return full[0]
 
 
 OFFICIAL_KEYS = ["fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
@@ -305,3 +310,38 @@ def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
     # it rejected the first copy token: one failed trial, p falls
     d.observe(ids + [99], out.aux[-1:])
     assert d.copy_prob() == pytest.approx(5 / 8)
+
+
+def test_copy_only_steps_skip_the_head_stay_lossless_and_the_head_catches_up():
+    """dart-ctx verifies the copy chain alone when the cost model says that is the faster step; the
+    skipped positions reach the head at its next forward (its cache = one forward from scratch)."""
+    target = tiny_target("qwen3")
+    head = random_head(target, "dart", draft_length=4)
+    cfg = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 5, 9, 14, 5, 9, 22])
+    ar = generate(target, prompt, None, cfg)
+    d = ContextDrafter(head, None, TreeSearchConfig(w_ngram=0.0, max_nodes=8), ContextConfig(w_context=0.0))
+    flat = {1: 10.0, 64: 10.0}
+    d.set_cost_model(flat, 1000.0, [1.0] * 65)  # drafting "costs" 1 s: every step with a copy goes copy-only
+    res = generate(target, prompt, d, cfg)
+    assert res.tokens == ar.tokens
+    assert 0 < d.copy_only_steps < len(res.steps)  # some steps had no copy: the head drafted those
+    ids = prompt.tolist() + res.tokens
+    torch.testing.assert_close(d.draft_logits(), head_logits_from_scratch(target, head, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_copy_only_is_chosen_by_expected_speed():
+    target = tiny_target("llama")
+    d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=8), ContextConfig(w_context=0.0))
+    ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
+    d.begin(target, ids, target.prefill(torch.tensor(ids[:-1]), want_aux=True).aux)
+    assert not d._copy_only_pays(3, 0.9)  # no cost model (fixed budget): always a tree step
+    curve = {1: 20.0, 4: 21.0, 16: 26.0, 32: 40.0}
+    tau = [1.0 + 0.1 * k for k in range(65)]  # tau(8) = 1.8: the head adds 0.8 tokens
+    d.set_cost_model(curve, 5.0, tau)
+    # a likely copy of 8: 1 + sum 0.9^i = 6.1 tokens in verify(9) = 23.1 ms beats 6.9 in verify(17) + 5 = 31.9 ms
+    assert d._copy_only_pays(8, 0.9)
+    # an unlikely copy: 1.3 tokens in 20.7 ms loses to 2.1 in 23.9 + 5 ms
+    assert not d._copy_only_pays(2, 0.25)
+    d.set_cost_model(curve, 50.0, tau)  # the same unlikely copy when drafting is very slow
+    assert d._copy_only_pays(2, 0.25)

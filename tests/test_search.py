@@ -131,6 +131,26 @@ def test_small_budget_beam_is_exact_with_ties(seed):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), n
 
 
+@given(st.integers(0, 10_000))
+@settings(max_examples=30, deadline=None)
+def test_small_budget_beam_is_exact_with_extra_paths(seed):
+    """The same with copy paths merged into the candidates (dart-ctx): continuous scores, random paths
+    that share prefixes with the head's candidates or not."""
+    ng, _ = make_ngram(seed % 5)
+    g = torch.Generator().manual_seed(seed)
+    logp, toks = topk_levels(torch.randn(8, V, generator=g) * 3, 25)
+    rng = np.random.default_rng(seed)
+    for n in range(1, 21):
+        L = int(rng.integers(1, 8))
+        path = [int(toks[0, rng.integers(0, 3)])] + rng.integers(0, V, L - 1).tolist()
+        scores = np.cumsum(-rng.exponential(1.0, L)).astype(np.float32)
+        cfg = TreeSearchConfig(topk=25, beam_width=20, max_nodes=n)
+        a = _search(logp, toks, [1, 2, 5], ng, cfg, frozenset({0}), nodes=False, extra_paths=[(path, scores)])
+        b = _search(logp, toks, [1, 2, 5], ng, cfg, frozenset({0}), nodes=False, extra_paths=[(path, scores)],
+                    prune=False)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), n
+
+
 def test_eos_paths_rank_last_in_beam():
     logits = torch.full((3, V), -10.0)
     logits[0, 7] = 10.0  # EOS is by far the most likely level-0 token
