@@ -45,6 +45,7 @@ class BudgetConfig:
     refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
     refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
     refresh_repeats: int = 3  # timed verifies per size when re-measuring
+    sampled_min_steps: int = 16  # sampled steps covering a rank before its sampled acceptance rate is used
 
 
 def cpu_name() -> str:

@@ -192,7 +192,9 @@ class Runner:
     def __init__(self, name: str, target, drafter: Drafter | None = None, hf: bool = False,
                  hf_lookup: int | None = None, auto_budget: bool = False):
         self.name, self.target, self.drafter, self.hf, self.hf_lookup = name, target, drafter, hf, hf_lookup
-        self.budget: dict | None = None
+        self.budget: dict | None = None  # greedy decoding's theta (and sampling's: budget_sampled)
+        self.budget_sampled: dict | None = None
+        self._observed_sampled: list = []
         if auto_budget and drafter is not None:
             self._calibrate()
 
@@ -240,43 +242,80 @@ class Runner:
                      "refreshes": self.cost.get("refreshes", 0) + 1, "refresh_trigger_ratio": round(ratio, 3)}
         return True
 
-    def _observe(self, res: GenerationResult, budget: int) -> None:
-        self._observed += [(budget, s["path_ranks"]) for s in res.steps if "path_ranks" in s]
+    def _observe(self, res: GenerationResult, budget: int, sampled: bool = False) -> None:
+        (self._observed_sampled if sampled else self._observed).extend(
+            (budget, s["path_ranks"]) for s in res.steps if "path_ranks" in s)
 
-    def _choose(self) -> None:
+    @staticmethod
+    def _rank_rates(observed, probe: int, min_steps: int = 1) -> list[float | None]:
+        """P(the rank-k node is accepted) for k < probe, each over the steps whose budget covered rank k
+        (None where fewer than min_steps did)."""
+        out = []
+        for k in range(probe):
+            rs = [r for b, r in observed if b > k]
+            out.append(statistics.fmean(sum(1 for x in r if x == k) for r in rs) if len(rs) >= min_steps else None)
+        return out
+
+    def _choose(self, sampled: bool = False) -> None:
+        """Re-choose theta from everything observed: greedy decoding's, or (sampled=True) sampling's,
+        where drafts are accepted less often and a smaller tree can pay better."""
         probe = BudgetConfig().max_nodes
         # tau(theta) = 1 + sum over k < theta of P(the rank-k node is accepted), each term over the
         # steps whose budget covered rank k. Why per term: after theta is chosen, only ranks < theta
         # get new (bench-prompt) steps; averaging whole sums per theta would mix two prompt
         # populations at the boundary and make tau(theta) jump and dip there, pulling theta toward
         # wherever it already is. Per-term estimates keep tau(theta) non-decreasing.
+        # Sampling (T > 0): a rank's rate from the sampled steps once `sampled_min_steps` of them
+        # covered it, else the greedy rate (an optimistic start: theta shrinks as evidence comes in).
+        rates = self._rank_rates(self._observed, probe)
+        if sampled:
+            own = self._rank_rates(self._observed_sampled, probe, BudgetConfig().sampled_min_steps)
+            rates = [o if o is not None else r for o, r in zip(own, rates)]
         tau = [1.0]
-        for th in range(1, probe + 1):
-            rs = [r for b, r in self._observed if b >= th]
-            tau.append(tau[-1] + (statistics.fmean(sum(1 for x in r if x == th - 1) for r in rs) if rs else 0.0))
+        for r in rates:
+            tau.append(tau[-1] + (r or 0.0))
         scale = lambda th: self.drafter.draft_cost_scale(th, probe)  # noqa: E731
-        self.budget = {**choose_budget(tau, self.cost["verify_ms"], self._overhead, scale),
-                       "tau_by_theta": [round(v, 4) for v in tau], "steps_observed": len(self._observed),
-                       "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"],
-                       "cost_refreshes": self.cost.get("refreshes", 0)}
-        theta = self.budget["theta"]
+        budget = {**choose_budget(tau, self.cost["verify_ms"], self._overhead, scale),
+                  "tau_by_theta": [round(v, 4) for v in tau],
+                  "steps_observed": len(self._observed_sampled if sampled else self._observed),
+                  "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"],
+                  "cost_refreshes": self.cost.get("refreshes", 0)}
+        if sampled:
+            self.budget_sampled = budget
+        else:
+            self.budget = budget
+        self._apply(budget)
+
+    def _apply(self, budget: dict) -> None:
+        """Put `budget`'s theta (and the cost model behind it) on the drafter."""
+        theta = budget["theta"]
         if theta:
             self.drafter.set_budget(theta)
-            self.drafter.set_cost_model(self.cost["verify_ms"], self._overhead * scale(theta), tau)
+            scale = self.drafter.draft_cost_scale(theta, BudgetConfig().max_nodes)
+            self.drafter.set_cost_model(self.cost["verify_ms"], self._overhead * scale, budget["tau_by_theta"])
 
     def generate(self, prompt_ids, cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
         if self.hf:
             return hf_generate(self.target, prompt_ids, cfg, prompt_lookup_num_tokens=self.hf_lookup)
-        fallback = self.budget is not None and self.budget["fallback_to_ar"]
+        sampled = not cfg.greedy
+        budget = self.budget
+        if budget is not None:  # sampling has its own theta, from its own acceptance
+            if sampled and self.budget_sampled is None:
+                self._choose(sampled=True)
+            budget = self.budget_sampled if sampled else self.budget
+            self._apply(budget)
+        fallback = budget is not None and budget["fallback_to_ar"]
         res = generate(self.target, prompt_ids, None if fallback else self.drafter, cfg)
         res.method = self.name
-        if self.budget is not None:
+        if budget is not None:
             refreshed = self._follow_machine(res)
-            if not fallback and cfg.greedy:
-                self._observe(res, self.budget["theta"])
-            if refreshed or (not fallback and cfg.greedy):
+            if not fallback:
+                self._observe(res, budget["theta"], sampled)
+            if refreshed:  # a new cost curve: both thetas again
                 self._choose()
-            res.config["tree_budget"] = {k: self.budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar")}
+            if refreshed or not fallback:
+                self._choose(sampled)
+            res.config["tree_budget"] = {k: budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar")}
         return res
 
     def config(self) -> dict:
@@ -285,6 +324,8 @@ class Runner:
             out["prompt_lookup_num_tokens"] = self.hf_lookup
         if self.budget is not None:
             out["tree_budget"] = self.budget
+        if self.budget_sampled is not None:
+            out["tree_budget_sampled"] = self.budget_sampled
         return out
 
 

@@ -112,3 +112,24 @@ def test_tau_by_theta_stays_monotone_when_steps_come_from_two_budgets():
     assert all(a <= b for a, b in zip(tau, tau[1:]))
     # rank 0: accepted in all 120 steps; rank 1 in 110 of 120; rank 5 in 10 of 20 (the wide steps)
     assert tau[1] == 2.0 and tau[2] == pytest.approx(2 + 110 / 120, abs=1e-4) and tau[6] == pytest.approx(tau[2] + 0.5, abs=1e-4)
+
+
+def test_sampling_gets_its_own_theta_from_its_own_acceptance():
+    """Sampled steps (T > 0) accept less: once enough of them covered a rank, sampling's tau(theta)
+    uses their rate, greedy decoding keeps its own, and each mode drafts with its own theta."""
+    r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
+    r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
+    r._overhead = 1.0
+    r._observed = [(16, list(range(8)))] * 50  # greedy: ranks 0-7 always accepted
+    r._observed_sampled = [(16, [0])] * 40  # sampling: rank 0 always accepted, nothing deeper
+    r._choose()
+    r._choose(sampled=True)
+    assert r.budget["tau_by_theta"][8] == 9.0 and r.budget_sampled["tau_by_theta"][8] == 2.0
+    assert r.budget["theta"] >= 8 and r.budget_sampled["theta"] < r.budget["theta"]
+    # ranks 16+ were never covered by sampled steps: their terms come from greedy (0 here)
+    assert r.budget_sampled["tau_by_theta"][20] == 2.0
+    cfg1 = GenerationConfig(max_new_tokens=6, temperature=1.0, stop_on_eos=False)
+    r.generate(torch.tensor([5, 9, 14]), cfg1)
+    assert r.drafter.search.max_nodes == r.budget_sampled["theta"]
+    r.generate(torch.tensor([5, 9, 14]), GenerationConfig(max_new_tokens=6, stop_on_eos=False))
+    assert r.drafter.search.max_nodes == r.budget["theta"]
