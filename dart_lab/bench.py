@@ -140,7 +140,8 @@ def _row(res, prompt, method, ar):
            "verify_ms": mean("verify_ms"), "accept_lens": [s["accept_len"] for s in steps],
            "stop_reason": res.stop_reason,
            "theta": (res.config or {}).get("tree_budget", {}).get("theta"),  # auto budget: theta used
-           "drafted_nodes": mean("tree_size") - 1 if steps and "tree_size" in steps[0] else 0.0}
+           "drafted_nodes": mean("tree_size") - 1 if steps and "tree_size" in steps[0] else 0.0,
+           "copy_only_steps": sum(1 for s in steps if s.get("copy_only"))}
     if ar is not None:
         row["match_ar"] = res.tokens == ar.tokens
         if not row["match_ar"]:
@@ -183,6 +184,7 @@ def aggregate(rows: list[dict], methods, greedy: bool) -> dict:
         d["theta_range"] = [min(thetas), max(thetas)] if thetas else None
         w = [(r.get("drafted_nodes", 0.0), r["verify_steps"]) for r in rs if r["verify_steps"]]
         d["drafted_nodes_mean"] = sum(a * b for a, b in w) / max(sum(b for _, b in w), 1) if w else 0.0
+        d["copy_only_share"] = sum(r.get("copy_only_steps", 0) for r in rs) / steps if steps else 0.0
         hist = {}
         for r in rs:
             for a in r["accept_lens"]:

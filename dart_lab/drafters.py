@@ -442,7 +442,7 @@ class ContextDrafter(DartDrafter):
         if chain and self._copy_only_pays(len(chain), self.copy_prob()):
             self._last_copy, self._tree_step = (len(ids), chain), False
             self.copy_only_steps += 1
-            self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0}
+            self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0, "copy_only": True}
             return Tree.from_paths(ids[-1], [chain])
         self._tree_step = True
         logits = self.draft_logits()

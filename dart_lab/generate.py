@@ -23,7 +23,8 @@ class Drafter:
     begin(target, ids, aux):  after prefill; ids = prompt + first new token (the first root),
                               aux = (T, 3H) aux hidden states of the prompt (if needs_aux).
     propose(ids) -> Tree:     the tree to verify; its root must be ids[-1]. May set
-                              `self.last_timing = {"draft_ms": .., "search_ms": ..}`.
+                              `self.last_timing = {"draft_ms": .., "search_ms": ..}` (and
+                              "copy_only": True for a step that skipped its head, dart-ctx).
     observe(ids, aux):        after acceptance; ids = all tokens so far (new root last),
                               aux = (k+1, 3H) aux states of the accepted nodes (root first).
     """
@@ -170,7 +171,8 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
         steps.append({"accept_len": len(path) - 1, "tree_size": len(tree),
                       **({"path_ranks": tree.ranks[path[1:]].tolist()} if tree.ranks is not None else {}),
                       "draft_ms": timing.get("draft_ms", 0.0), "search_ms": timing.get("search_ms", 0.0),
-                      "propose_ms": (tb - ta) * 1e3, "verify_ms": (tc - tb) * 1e3})
+                      "propose_ms": (tb - ta) * 1e3, "verify_ms": (tc - tb) * 1e3,
+                      **({"copy_only": True} if timing.get("copy_only") else {})})
         if cfg.stop_on_eos and any(t in target.eos_ids for t in emitted):
             stop = "eos"
             break

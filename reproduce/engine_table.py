@@ -75,6 +75,10 @@ def main():
                      ratio(runs, "dart-ctx", ["dart", "pld"], "dart-ctx over the faster of dart and pld")):
             if line:
                 print(line)
+        share = [f"{SHORT[d]} {run['methods']['dart-ctx']['copy_only_share']:.2f}" for d, run in runs.items()
+                 if "copy_only_share" in run["methods"].get("dart-ctx", {})]
+        if share:
+            print("- dart-ctx steps that verified the copy chain alone (copy-only): " + ", ".join(share))
         load_ = [r["machine_load"] for r in runs.values()]
         print(f"- machine: other processes {min(x['others_cores'] for x in load_):.2f}-"
               f"{max(x['others_cores'] for x in load_):.2f} cores; contended runs: "

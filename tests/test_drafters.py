@@ -326,6 +326,7 @@ def test_copy_only_steps_skip_the_head_stay_lossless_and_the_head_catches_up():
     res = generate(target, prompt, d, cfg)
     assert res.tokens == ar.tokens
     assert 0 < d.copy_only_steps < len(res.steps)  # some steps had no copy: the head drafted those
+    assert sum(1 for s in res.steps if s.get("copy_only")) == d.copy_only_steps  # recorded per step
     ids = prompt.tolist() + res.tokens
     torch.testing.assert_close(d.draft_logits(), head_logits_from_scratch(target, head, ids), atol=1e-4, rtol=1e-4)
 
