@@ -139,6 +139,18 @@ def table4(results_dir, paper: dict) -> list[dict]:
     return rows
 
 
+def ablation_noise(results_dir) -> str:
+    """One line: the run-to-run noise of the stored ablations (gamma 0.6 trained with several seeds;
+    gamma_sweep.json "noise"), the yardstick for the differences in Tables 3-4; "" when not run."""
+    p = Path(results_dir) / "gamma_sweep.json"
+    noise = json.loads(p.read_text()).get("noise") if p.is_file() else None
+    if not noise or len(noise["rows"]) < 2:
+        return ""
+    seeds = ", ".join(f"seed {r['seed']}: acc-1 {r['acc'][0]:.3f}, chain tau {r['tau_chain']:.3f}" for r in noise["rows"])
+    return (f"Run-to-run noise (gamma 0.6, {seeds}): spread acc-1 {noise['spread']['acc_1']:.3f}, "
+            f"chain tau {noise['spread']['tau_chain']:.3f}. Differences below these are noise.")
+
+
 def figure1(results: list[dict]):
     """tau vs drafting latency (draft + search ms per step) per method."""
     import plotly.graph_objects as go

@@ -96,3 +96,8 @@ def test_tables_3_and_4_render_stored_training_ablations(tmp_path):
     t3 = rp.table3(tmp_path, paper)
     assert [r["variant"] for r in t3] == ["shifted", "unshifted"] and t3[1]["acc_1_3"][0] == 0.25
     assert t3[0]["paper_alpha_1_3"] == paper["table3_shifted_logits"]["shifted"]["alpha"]
+    assert rp.ablation_noise(tmp_path) == ""  # no seeds recorded: no noise line
+    sweep["noise"] = {"rows": [{"seed": 0, "acc": [0.30], "tau_chain": 1.50}, {"seed": 1, "acc": [0.32], "tau_chain": 1.47}],
+                      "spread": {"acc_1": 0.02, "tau_chain": 0.03}}
+    (tmp_path / "gamma_sweep.json").write_text(json.dumps(sweep))
+    assert "spread acc-1 0.020, chain tau 0.030" in rp.ablation_noise(tmp_path)
