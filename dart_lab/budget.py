@@ -100,19 +100,31 @@ def verify_samples(target, sizes, repeats: int = 7, prompt_len: int = 128) -> di
     return times
 
 
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The curve made non-decreasing in N (running minimum from the widest tree down). A bigger tree
+    cannot cost less; a noisy high reading at a small size (one calibration here read N=2 at 29.7 ms,
+    above N=4's 27.4) would otherwise price small trees out and send a method to AR fallback."""
+    out, low = {}, float("inf")
+    for n in sorted(curve, reverse=True):
+        low = min(low, curve[n])
+        out[n] = low
+    return dict(sorted(out.items()))
+
+
 def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -> dict:
-    """{"fingerprint", "verify_ms": {N: ms}} for this target and machine, measured once and cached."""
+    """{"fingerprint", "verify_ms": {N: ms}} for this target and machine, measured once and cached;
+    made non-decreasing (`monotone`)."""
     fp = fingerprint(target)
     key = hashlib.sha256(json.dumps([fp, asdict(cfg)], sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "cost" / f"{key}.json"
     if cache and path.is_file():
         try:
             d = json.loads(path.read_text())
-            return {"fingerprint": d["fingerprint"], "verify_ms": {int(k): v for k, v in d["verify_ms"].items()},
+            return {"fingerprint": d["fingerprint"], "verify_ms": monotone({int(k): v for k, v in d["verify_ms"].items()}),
                     "cached": True}
         except (OSError, ValueError, KeyError):
             pass
-    ms = measure_verify(target, cfg.sizes, cfg.repeats, cfg.prompt_len)
+    ms = monotone(measure_verify(target, cfg.sizes, cfg.repeats, cfg.prompt_len))
     out = {"fingerprint": fp, "verify_ms": ms}
     if cache:
         write_json(path, out)

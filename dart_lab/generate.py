@@ -31,6 +31,9 @@ class Drafter:
 
     name = "ar"
     needs_aux = False
+    # The automatic budget re-chooses theta from the steps this drafter decodes (methods.Runner); False
+    # keeps the calibration's theta (a drafter that picks which steps get a tree would bias the estimate).
+    adapts_budget = True
 
     def __init__(self) -> None:
         self.last_timing: dict = {}

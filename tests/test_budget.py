@@ -133,3 +133,9 @@ def test_sampling_gets_its_own_theta_from_its_own_acceptance():
     assert r.drafter.search.max_nodes == r.budget_sampled["theta"]
     r.generate(torch.tensor([5, 9, 14]), GenerationConfig(max_new_tokens=6, stop_on_eos=False))
     assert r.drafter.search.max_nodes == r.budget["theta"]
+
+
+def test_cost_curve_is_made_non_decreasing():
+    from dart_lab.budget import monotone
+    assert monotone({1: 26.3, 2: 29.7, 4: 27.4, 8: 31.0, 16: 30.5, 32: 54.0}) == \
+        {1: 26.3, 2: 27.4, 4: 27.4, 8: 30.5, 16: 30.5, 32: 54.0}
