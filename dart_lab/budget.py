@@ -45,7 +45,13 @@ class BudgetConfig:
     refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
     refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
     refresh_repeats: int = 3  # timed verifies per size when re-measuring
-    sampled_min_steps: int = 16  # sampled steps covering a rank before its sampled acceptance rate is used
+    sampled_min_steps: int = 128  # sampled steps covering a rank before its sampled acceptance rate is used (fewer: one
+    # short answer decided it, and a pessimistic rate can send sampling to AR fallback, which then sees no drafts)
+
+
+def calibration_key(cfg: BudgetConfig) -> dict:
+    """The fields a calibration decode depends on (the rest steer the runner afterwards)."""
+    return {k: getattr(cfg, k) for k in ("sizes", "repeats", "prompt_len", "max_nodes", "calibration_tokens")}
 
 
 def cpu_name() -> str:
@@ -115,7 +121,7 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -
     """{"fingerprint", "verify_ms": {N: ms}} for this target and machine, measured once and cached;
     made non-decreasing (`monotone`)."""
     fp = fingerprint(target)
-    key = hashlib.sha256(json.dumps([fp, asdict(cfg)], sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([fp, [cfg.sizes, cfg.repeats, cfg.prompt_len]], sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "cost" / f"{key}.json"
     if cache and path.is_file():
         try:

@@ -19,7 +19,7 @@ import torch
 
 from .assets import cache_dir, resolve_hub
 from .atomic import write_json
-from .budget import CALIBRATION_PROMPTS, BudgetConfig, choose_budget, cost_curve, interpolate
+from .budget import CALIBRATION_PROMPTS, BudgetConfig, calibration_key, choose_budget, cost_curve, interpolate
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
 from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
@@ -206,7 +206,7 @@ class Runner:
         t = self.target
         self.cost = cost_curve(t, cfg)
         key = {"drafter": self.drafter.config(), "weights": _weights_digest(self.drafter), "target": t.name,
-               "dtype": str(t.dtype), "budget": dataclasses.asdict(cfg), "prompts": CALIBRATION_PROMPTS,
+               "dtype": str(t.dtype), "budget": calibration_key(cfg), "prompts": CALIBRATION_PROMPTS,
                "machine": self.cost["fingerprint"]}  # drafting time depends on the machine and runner
         path = cache_dir() / "calibration" / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str)
                                                               .encode()).hexdigest()[:16] + ".json")

@@ -115,13 +115,13 @@ def test_tau_by_theta_stays_monotone_when_steps_come_from_two_budgets():
 
 
 def test_sampling_gets_its_own_theta_from_its_own_acceptance():
-    """Sampled steps (T > 0) accept less: once enough of them covered a rank, sampling's tau(theta)
+    """Sampled steps (T > 0) accept less: once enough of them (128) covered a rank, sampling's tau(theta)
     uses their rate, greedy decoding keeps its own, and each mode drafts with its own theta."""
     r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
     r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
     r._overhead = 1.0
     r._observed = [(16, list(range(8)))] * 50  # greedy: ranks 0-7 always accepted
-    r._observed_sampled = [(16, [0])] * 40  # sampling: rank 0 always accepted, nothing deeper
+    r._observed_sampled = [(16, [0])] * 130  # sampling: rank 0 always accepted, nothing deeper
     r._choose()
     r._choose(sampled=True)
     assert r.budget["tau_by_theta"][8] == 9.0 and r.budget_sampled["tau_by_theta"][8] == 2.0
