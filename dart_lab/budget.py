@@ -20,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 

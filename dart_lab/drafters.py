@@ -364,6 +364,7 @@ class ContextDrafter(DartDrafter):
         # those alone would be biased low against the calibration's ranks and drag theta around (seen:
         # 6 -> 15 on MT-bench). With copy-only steps on, theta stays the calibration's choice.
         self.adapts_budget = not (ctx.copy and ctx.copy_only)
+        self.cost_model = None  # (verify_ms, overhead_ms, tau) from an automatic budget (set_cost_model)
 
     def begin(self, target, ids, aux):
         self.copy_kept, self.copy_trials = 0, 0  # this request's copy tokens kept / tried
@@ -396,10 +397,9 @@ class ContextDrafter(DartDrafter):
 
     def _copy_only_pays(self, L: int, p: float) -> bool:
         """ContextConfig.copy_only: is verifying the copy chain alone the faster step?"""
-        model = getattr(self, "cost_model", None)
-        if not self.ctx.copy_only or model is None or not self.search.max_nodes:
+        if not self.ctx.copy_only or self.cost_model is None or not self.search.max_nodes:
             return False
-        verify_ms, overhead_ms, tau = model
+        verify_ms, overhead_ms, tau = self.cost_model
         theta = self.search.max_nodes
         w = self.ctx.copy_gain_prior_steps
         g = (w * (tau[min(theta, len(tau) - 1)] - 1.0) + self.gain_sum) / (w + self.gain_steps)
@@ -414,17 +414,15 @@ class ContextDrafter(DartDrafter):
         c = self.ctx
         return (c.copy_prior_weight * c.copy_p + self.copy_kept) / (c.copy_prior_weight + self.copy_trials)
 
-    def _copy_chain(self, ids: list[int]) -> list[int]:
+    def _copy_chain(self, ids: list[int], p: np.float32) -> list[int]:
         """The copy continuation, cut where its path probability p^depth falls below copy_min_prob."""
         c = self.ctx
         chain = copy_chain(ids, c.copy_max_ngram, c.copy_len) if c.copy else []
-        p = np.float32(self.copy_prob())
         return chain[:int(np.sum(p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob))] if chain else []
 
-    def _copy_path(self, ids: list[int], ngram, chain: list[int]) -> list[tuple[list[int], np.ndarray]]:
+    def _copy_path(self, ids: list[int], ngram, chain: list[int], p: np.float32) -> list[tuple[list[int], np.ndarray]]:
         """The copy chain as a scored candidate path (ContextConfig.copy)."""
         cfg = self.search
-        p = np.float32(self.copy_prob())
         if not chain:
             return []
         self._last_copy = (len(ids), chain)
@@ -442,8 +440,9 @@ class ContextDrafter(DartDrafter):
 
     def propose(self, ids):
         t0 = time.perf_counter()
-        chain = self._copy_chain(ids)
-        if chain and self._copy_only_pays(len(chain), self.copy_prob()):
+        p = np.float32(self.copy_prob())  # this request's copy keep rate, fixed for the step
+        chain = self._copy_chain(ids, p)
+        if chain and self._copy_only_pays(len(chain), p):
             self._last_copy, self._tree_step = (len(ids), chain), False
             self.copy_only_steps += 1
             self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0, "copy_only": True}
@@ -456,7 +455,7 @@ class ContextDrafter(DartDrafter):
         if self.ctx.w_context > 0:
             local = NGram.from_sequences([ids], self.head.cfg.vocab_size)
             ngram = MixedNGram(self.ngram, local, self.ctx.w_context if self.ngram is not None else 1.0)
-        paths = self._copy_path(ids, ngram, chain)
+        paths = self._copy_path(ids, ngram, chain, p)
         search = self.search
         if paths and search.max_nodes:  # copy nodes come on top of the budget (ContextConfig)
             search = dataclasses.replace(search, max_nodes=search.max_nodes + len(paths[0][0]))

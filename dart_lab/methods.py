@@ -301,9 +301,10 @@ class Runner:
         budget = self.budget
         if budget is not None:  # sampling has its own theta, from its own acceptance
             if sampled and self.budget_sampled is None:
-                self._choose(sampled=True)
+                self._choose(sampled=True)  # chooses and applies
+            else:
+                self._apply(self.budget_sampled if sampled else self.budget)
             budget = self.budget_sampled if sampled else self.budget
-            self._apply(budget)
         fallback = budget is not None and budget["fallback_to_ar"]
         res = generate(self.target, prompt_ids, None if fallback else self.drafter, cfg)
         res.method = self.name
