@@ -526,6 +526,8 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
     objective, opt = acc.prepare(_Objective(raw, loss_fn, emb, lm_head_w, d2t_dev, cfg, device), opt)
     ckpt = out / "ckpt.pt"
     step, elapsed, tokens_seen = _resume(ckpt, cfg, raw, opt, sched, log)
+    if acc.is_main_process:
+        _truncate_log(out / "log.jsonl", step)
     world = acc.num_processes
     bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.kind}", unit="step") \
         if progress and acc.is_main_process else None
@@ -591,13 +593,37 @@ def _resume(ckpt: Path, cfg: TrainConfig, head, opt, sched, log) -> tuple[int, f
     if not ckpt.is_file():
         return 0, 0.0, 0
     st = torch.load(ckpt, weights_only=False)
-    if st["config"] != asdict(cfg):
+    # the budget (steps, minutes) may grow: a finished run can be continued later; all else must match
+    budget = ("max_steps", "time_budget_min")
+    old, new = dict(st["config"]), asdict(cfg)
+    if {k: v for k, v in old.items() if k not in budget} != {k: v for k, v in new.items() if k not in budget}:
         raise DartLabError(f"{ckpt} was written with a different config; use a new --out or delete it")
+    if cfg.max_steps < st["step"]:
+        raise DartLabError(f"{ckpt} is at step {st['step']}, beyond --max-steps {cfg.max_steps}")
     head.load_state_dict(st["head"])
     opt.load_state_dict(st["opt"])
     sched.load_state_dict(st["sched"])
+    if old["max_steps"] != cfg.max_steps:
+        # the cosine is recomputed for the new length (a warm restart when the old schedule had ended);
+        # the optimizer's lr is set now, not one step late
+        for group, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * fn(st["step"])
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+        log(f"schedule extended: max_steps {old['max_steps']} -> {cfg.max_steps}, lr now {opt.param_groups[0]['lr']:.2e}")
     log(f"resumed from step {st['step']}")
     return st["step"], st["elapsed"], st["tokens_seen"]
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop the log lines written after the checkpoint (a killed run logged steps it will redo), so
+    a resumed log reads like an uninterrupted one."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= step]
+    if len(keep) != len(lines):
+        with atomic_file(path) as tmp:
+            Path(tmp).write_text("".join(keep))
 
 
 def _export(head, path: Path, summary: dict) -> None:

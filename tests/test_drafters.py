@@ -11,7 +11,7 @@ from conftest import tiny_model, tiny_target
 from dart_lab import DartLabError, GenerationConfig, generate
 from dart_lab.draft_head import DartHead, Eagle3Head, HeadConfig
 from dart_lab.drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
-                              SPSDrafter, copy_chain)
+                              SPSDrafter, copy_chain, copy_match)
 from dart_lab.methods import MethodOptions, make_drafter, random_head
 from dart_lab.ngram import NGram
 from dart_lab.search import TreeSearchConfig
@@ -310,6 +310,12 @@ def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
     # it rejected the first copy token: one failed trial, p falls
     d.observe(ids + [99], out.aux[-1:])
     assert d.copy_prob() == pytest.approx(5 / 8)
+    # per match length: that copy came from a 7-token match (bucket 4+), the first from a 3-token one;
+    # each bucket starts from the pooled rate worth copy_prior_weight trials
+    assert copy_match(ids, 8, 16) == ([40, 41, 10, 11, 12, 13, 14, 15, 16], 7)
+    assert d.copy_prob(7) == pytest.approx((4 * 5 / 8 + 0) / (4 + 1))
+    assert d.copy_prob(3) == pytest.approx((4 * 5 / 8 + 3) / (4 + 3))
+    assert d.copy_prob(1) == pytest.approx(5 / 8)  # no one-token match seen yet: the pooled rate
 
 
 def test_copy_only_steps_skip_the_head_stay_lossless_and_the_head_catches_up():

@@ -151,13 +151,16 @@ def test_smoke_run_lowers_loss_and_resume_equals_uninterrupted(tiny_features, tm
     # soft cross-entropy (EAGLE-3) has the target's entropy as its floor, so ask for an absolute drop
     assert last < first - 1.0, (first, last)
     assert "alpha" in full["validation"] and (tmp_path / "full" / "head" / "config.json").is_file()
-    # interrupted after 10 steps (a checkpoint was just written), then resumed
-    assert train_head(target, root, tmp_path / "resumed", cfg, progress=False, log=lambda *a: None, _stop_after=10) is None
+    # killed 3 steps after its checkpoint at step 10, then resumed (steps 11-13 are redone)
+    assert train_head(target, root, tmp_path / "resumed", cfg, progress=False, log=lambda *a: None, _stop_after=13) is None
     train_head(target, root, tmp_path / "resumed", cfg, progress=False, log=lambda *a: None)
     a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=False)["head"]
     b = torch.load(tmp_path / "resumed" / "ckpt.pt", weights_only=False)["head"]
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # the killed run's log lines past its checkpoint were dropped: the log reads as uninterrupted
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "resumed" / "log.jsonl")]
+    assert steps == list(range(1, 21)), steps
     # --init-from continues from the exported head (bf16 on disk): with a negligible lr it stays there
     import dataclasses
 
@@ -166,6 +169,29 @@ def test_smoke_run_lowers_loss_and_resume_equals_uninterrupted(tiny_features, tm
     c = torch.load(tmp_path / "ft" / "ckpt.pt", weights_only=False)["head"]
     for k in a:
         torch.testing.assert_close(c[k].float(), a[k].to(torch.bfloat16).float(), rtol=0, atol=1e-6, msg=k)
+
+
+def test_a_finished_run_continues_with_a_longer_budget(tiny_features, tmp_path):
+    """A run that ended (schedule done) resumes with more steps: the cosine is recomputed for the new
+    length, the first continued step already uses it, and any other config change is refused."""
+    import dataclasses
+
+    target, root = tiny_features
+    cfg = TrainConfig(max_steps=6, save_every=3, val_every=100, draft_length=3, draft_vocab_size=64,
+                      anchors_per_seq=8, warmup_steps=2, lr=3e-3, val_examples=4, autocast=False)
+    train_head(target, root, tmp_path / "run", cfg, progress=False, log=lambda *a: None)
+    more = dataclasses.replace(cfg, max_steps=10, time_budget_min=5.0)
+    lines = []
+    train_head(target, root, tmp_path / "run", more, progress=False, log=lines.append)
+    assert any("schedule extended: max_steps 6 -> 10" in m for m in lines), lines
+    log = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
+    assert [r["step"] for r in log] == list(range(1, 11))
+    assert log[5]["lr"] == 0.0 and log[6]["lr"] > 0  # the old schedule had ended; the new one goes on
+    st = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    assert st["step"] == 10 and st["config"]["max_steps"] == 10
+    with pytest.raises(DartLabError, match="different config"):
+        train_head(target, root, tmp_path / "run", dataclasses.replace(more, lr=1e-3), progress=False,
+                   log=lambda *a: None)
 
 
 def test_vocab_round_trip():
