@@ -141,15 +141,13 @@ def _dart_no_ngram(target, opts, cache):
     return DartDrafter(_dart_head(target, opts, cache), None, _search(opts, w_ngram=0.0), name="dart-no-ngram")
 
 
-def _dart_ctx(w_context: float, copy: bool):
-    """dart-ctx and its ablations: the request-local n-gram (w_context) and copy candidates."""
+def _dart_ctx(name: str, **ctx):
+    """dart-ctx and its ablations: ContextConfig fields changed from the defaults."""
     def build(target, opts, cache):
         head = _dart_head(target, opts, cache)
         if "ngram" not in cache:
             cache["ngram"] = load_ngram_for(target, opts.ngram, opts.ngram_max_tokens)
-        name = "dart-ctx" + ("" if (w_context and copy) else "-ngram" if w_context else "-copy")
-        return ContextDrafter(head, cache["ngram"], _search(opts), ContextConfig(w_context=w_context, copy=copy),
-                              name=name)
+        return ContextDrafter(head, cache["ngram"], _search(opts), ContextConfig(**ctx), name=name)
     return build
 
 
@@ -349,10 +347,15 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dart", "DART head + n-gram-guided tree search (the paper)", _dart, budgeted=True),
     Method("dart-no-ngram", "DART without the n-gram term (paper Table 2)", _dart_no_ngram, budgeted=True),
     Method("eagle3", "EAGLE-3 head + dynamic tree", _eagle3, budgeted=True),
-    Method("dart-ctx", "beyond the paper: DART + request-local n-gram + copy candidates", _dart_ctx(0.5, True),
+    Method("dart-ctx", "beyond the paper: DART + request-local n-gram + copy candidates", _dart_ctx("dart-ctx"),
            budgeted=True),
-    Method("dart-ctx-ngram", "dart-ctx ablation: request-local n-gram only", _dart_ctx(0.5, False), budgeted=True),
-    Method("dart-ctx-copy", "dart-ctx ablation: copy candidates only", _dart_ctx(0.0, True), budgeted=True),
+    Method("dart-ctx-ngram", "dart-ctx ablation: request-local n-gram only", _dart_ctx("dart-ctx-ngram", copy=False),
+           budgeted=True),
+    Method("dart-ctx-copy", "dart-ctx ablation: copy candidates only", _dart_ctx("dart-ctx-copy", w_context=0.0),
+           budgeted=True),
+    Method("dart-ctx-pooled", "dart-ctx ablation: one copy probability for every match length, matches up to 3 "
+           "tokens (the previous rule)", _dart_ctx("dart-ctx-pooled", copy_match_buckets=1, copy_max_ngram=3),
+           budgeted=True),
     Method("pld", "prompt lookup decoding", lambda t, o, c: PLDDrafter(o.pld_max_ngram, o.pld_num_pred)),
     Method("sps", "speculative sampling with a smaller draft LM (--sps-model)", _sps),
     Method("hf", "Hugging Face generate (external reference)", hf=True),

@@ -2,7 +2,7 @@
 # The engine benchmark (issues "speed where the user is" and "context-aware DART"): one `dart-lab bench`
 # per dataset and temperature, every method interleaved per prompt, auto dtype, auto tree budget, 128 new
 # tokens per prompt, on the paper's five datasets plus the copy-heavy `copy_edit` set:
-#   T=0: ar, dart, dart-ctx and its two parts alone, eagle3, pld, HF generate -- NUM_PROMPTS per dataset
+#   T=0: ar, dart, dart-ctx and its ablations (two parts alone, pooled copy rate), eagle3, pld, HF generate -- NUM_PROMPTS per dataset
 #   T=1: ar, dart, dart-ctx, eagle3, pld                                      -- T1_PROMPTS per dataset
 # Run it on an idle machine: each JSON records the machine's load and marks a contended run.
 #   bash reproduce/engine_bench.sh [OUT_DIR]      (NUM_PROMPTS=5 T1_PROMPTS=3 for a shorter run)
@@ -16,7 +16,7 @@ DATASETS=${DATASETS:-mt_bench humaneval gsm8k code_alpaca alpaca copy_edit}
 mkdir -p "$OUT"
 START=$(date +%s)
 for ds in $DATASETS; do
-  $B/dart-lab bench --methods ar,dart,dart-ctx,dart-ctx-ngram,dart-ctx-copy,eagle3,pld,hf --dataset "$ds" \
+  $B/dart-lab bench --methods ar,dart,dart-ctx,dart-ctx-ngram,dart-ctx-copy,dart-ctx-pooled,eagle3,pld,hf --dataset "$ds" \
     --num-prompts "$N0" --max-new-tokens 128 --out "$OUT/${ds}_T0.json" --no-progress
 done
 for ds in $DATASETS; do

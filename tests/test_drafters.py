@@ -32,6 +32,8 @@ def all_drafters(target):
         "pld": PLDDrafter(),
         "dart-ctx": ContextDrafter(random_head(target, "dart"), tiny_ngram(target), TreeSearchConfig(max_nodes=20)),
         "dart-ctx-no-corpus": ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=20)),
+        "dart-ctx-pooled": ContextDrafter(random_head(target, "dart"), tiny_ngram(target), TreeSearchConfig(max_nodes=20),
+                                          ContextConfig(copy_match_buckets=1, copy_max_ngram=3)),
         "sps": SPSDrafter(tiny_model("llama", seed=7), draft_len=3),
     }
 
