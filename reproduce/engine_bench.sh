@@ -23,5 +23,5 @@ for ds in $DATASETS; do
   $B/dart-lab bench --methods ar,dart,dart-ctx,eagle3,pld --dataset "$ds" --num-prompts "$N1" --max-new-tokens 128 \
     --temperature 1.0 --out "$OUT/${ds}_T1.json" --no-progress
 done
-$B/python reproduce/engine_table.py "$OUT"
+$B/python reproduce/engine_table.py "$OUT" | tee "$OUT/TABLE.md"
 echo "engine bench: $(( ($(date +%s) - START) / 60 )) min"
