@@ -112,17 +112,28 @@ class DartDrafter(HeadDrafter):
 
 def copy_match(ids: list[int], max_ngram: int, length: int) -> tuple[list[int], int]:
     """Prompt lookup: the `length` tokens that followed the most recent earlier occurrence of the last
-    n tokens of `ids` (n = max_ngram..1, longest match first), and n; ([], 0) if none."""
+    n tokens of `ids` (n = max_ngram..1, longest match first), and n; ([], 0) if none.
+    Runs every dart-ctx step: only the earlier positions holding the last token are extended backwards
+    (one pass over the context, not one per n: 8-token matches cost ~8 passes otherwise)."""
     a = np.asarray(ids, dtype=np.int64)
     L = a.size
-    for n in range(min(max_ngram, L - 1), 0, -1):
-        win = np.lib.stride_tricks.sliding_window_view(a[:L - 1], n)  # windows ending before the suffix
-        hits = np.flatnonzero((win == a[L - n:]).all(axis=1))
-        if hits.size:
-            chain = a[hits[-1] + n:hits[-1] + n + length].tolist()
-            if chain:
-                return chain, n
-    return [], 0
+    if L < 2 or max_ngram < 1 or length < 1:
+        return [], 0
+    ends = np.flatnonzero(a[:L - 1] == a[-1])  # where an earlier occurrence of the suffix would end
+    if ends.size == 0:
+        return [], 0
+    lens = np.ones(ends.size, dtype=np.int64)
+    alive = np.ones(ends.size, dtype=bool)
+    for k in range(1, max_ngram):
+        ok = ends >= k
+        ok[ok] = a[ends[ok] - k] == a[L - 1 - k]
+        alive &= ok
+        if not alive.any():
+            break
+        lens += alive
+    n = int(lens.max())
+    e = int(ends[lens == n].max())  # the most recent of the longest matches
+    return a[e + 1:e + 1 + length].tolist(), n
 
 
 def copy_chain(ids: list[int], max_ngram: int, length: int) -> list[int]:
@@ -321,9 +332,9 @@ class ContextConfig:
         being copied earns its copies a high score, a free answer stops paying for them. The rate is
         kept per length n of the matched suffix (n = 1, 2, ..., `copy_match_buckets`, longer matches
         pooled), each starting from the request's pooled rate worth `copy_prior_weight` trials: a
-        copy found by a long match is far more often right (measured on the target's greedy answers,
-        first copy token kept: 0.15 / 0.37 / 0.62 / 0.85 for n = 1 / 2 / 3 / 4+ on MT-bench, 0.26 /
-        0.54 / 0.65 / 0.85 on copy_edit), so it earns a deeper chain and copy-only steps, a one-token
+        copy found by a long match is far more often right (reproduce/copy_match_stats.py on the
+        target's greedy answers, first copy token kept: 0.15 / 0.37 / 0.62 / 0.86 for n = 1 / 2 / 3 /
+        4+ on MT-bench, 0.26 / 0.55 / 0.65 / 0.84 on copy_edit), so it earns a deeper chain and copy-only steps, a one-token
         match a short one or a tree step. `copy_max_ngram`: the longest suffix matched (the longest
         match picks the occurrence that agrees with the most context).
     copy_min_prob: copy nodes whose path probability p^depth is at least this come ON TOP of the

@@ -285,6 +285,23 @@ def test_context_that_adds_nothing_drafts_exactly_what_dart_drafts():
         [(s["tree_size"], s["accept_len"], s["path_ranks"]) for s in b.steps]
 
 
+def _copy_match_reference(ids, max_ngram, length):
+    """The naive prompt lookup: one scan of the context per match length, longest first."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        hits = [i for i in range(len(ids) - n) if ids[i:i + n] == ids[len(ids) - n:]]
+        if hits and ids[hits[-1] + n:hits[-1] + n + length]:
+            return ids[hits[-1] + n:hits[-1] + n + length], n
+    return [], 0
+
+
+def test_copy_match_equals_the_naive_lookup():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        ids = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()  # small vocab: many matches
+        for max_ngram in (1, 3, 8):
+            assert copy_match(ids, max_ngram, 5) == _copy_match_reference(ids, max_ngram, 5), (ids, max_ngram)
+
+
 def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
     target = tiny_target("llama")
     ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
