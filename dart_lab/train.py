@@ -608,7 +608,6 @@ def _resume(ckpt: Path, cfg: TrainConfig, head, opt, sched, log) -> tuple[int, f
         # the optimizer's lr is set now, not one step late
         for group, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * fn(st["step"])
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
         log(f"schedule extended: max_steps {old['max_steps']} -> {cfg.max_steps}, lr now {opt.param_groups[0]['lr']:.2e}")
     log(f"resumed from step {st['step']}")
     return st["step"], st["elapsed"], st["tokens_seen"]
