@@ -123,10 +123,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dt = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
+        """x * rsqrt(mean(x^2) + eps) in float32, back to x's dtype, times the weight (the Llama order).
+        One fused op instead of six: the head runs five norms per draft step."""
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from .errors import DartLabError
 from .fast_llama import pack_linears
 from .budget import interpolate
 from .generate import Drafter
-from .ngram import NGram
+from .ngram import LocalNGram
 from .search import TreeSearchConfig, topk_levels, tree_search, tree_search_with_paths
 from .target import Target, sync
 from .tree import Tree, best_closed_tree
@@ -386,7 +386,10 @@ class ContextDrafter(DartDrafter):
         self.ctx = ctx
         # Copy-only steps leave the tree to the steps where copying looks weak: tau(theta) measured on
         # those alone would be biased low against the calibration's ranks and drag theta around (seen:
-        # 6 -> 15 on MT-bench). With copy-only steps on, theta stays the calibration's choice.
+        # 6 -> 15 on MT-bench). With copy-only steps on, greedy theta stays the calibration's choice.
+        # Sampling's theta still adapts (from the tree steps; copy-only steps carry no ranks): sampled
+        # copies rarely win a whole step (2-16 % of T=1 steps in the engine bench), and the greedy
+        # calibration's acceptance, where sampling's theta starts, is too optimistic at T > 0.
         self.adapts_budget = not (ctx.copy and ctx.copy_only)
         self.cost_model = None  # (verify_ms, overhead_ms, tau) from an automatic budget (set_cost_model)
 
@@ -398,6 +401,7 @@ class ContextDrafter(DartDrafter):
         self.copy_only_steps = 0
         self.gain_sum, self.gain_steps = 0.0, 0  # head tokens beyond the copy, over tree steps with a copy
         self.overhead_sum, self.overhead_steps = 0.0, 0  # drafting + search ms of this request's tree steps
+        self.local = LocalNGram(ids) if self.ctx.w_context > 0 else None  # grown in place each tree step
         super().begin(target, ids, aux)
 
     def observe(self, ids, aux):
@@ -487,9 +491,9 @@ class ContextDrafter(DartDrafter):
         logp, toks = topk_levels(logits, self.search.topk, self._d2t)
         t1 = time.perf_counter()
         ngram = self.ngram
-        if self.ctx.w_context > 0:
-            local = NGram.from_sequences([ids], self.head.cfg.vocab_size)
-            ngram = MixedNGram(self.ngram, local, self.ctx.w_context if self.ngram is not None else 1.0)
+        if self.local is not None:
+            self.local.sync(ids)
+            ngram = MixedNGram(self.ngram, self.local, self.ctx.w_context if self.ngram is not None else 1.0)
         paths = self._copy_path(ids, ngram, chain, p)
         search = self.search
         if paths and search.max_nodes:  # copy nodes come on top of the budget (ContextConfig)

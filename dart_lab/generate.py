@@ -14,7 +14,7 @@ from .config import GenerationConfig
 from .errors import DartLabError
 from .target import Target, sync
 from .tree import Tree
-from .acceptance import accept, target_probs
+from .acceptance import accept, sample_token, target_probs
 
 
 class Drafter:
@@ -34,6 +34,7 @@ class Drafter:
     # The automatic budget re-chooses theta from the steps this drafter decodes (methods.Runner); False
     # keeps the calibration's theta (a drafter that picks which steps get a tree would bias the estimate).
     adapts_budget = True
+    adapts_budget_sampled = True  # the same for sampling's theta (T > 0), chosen from sampled steps
 
     def __init__(self) -> None:
         self.last_timing: dict = {}
@@ -103,7 +104,7 @@ class GenerationResult:
 def _first_token(logits_row: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -> int:
     if cfg.greedy:
         return int(logits_row.argmax())
-    return int(torch.multinomial(target_probs(logits_row[None], cfg)[0], 1, generator=gen))
+    return sample_token(target_probs(logits_row[None], cfg)[0], gen)
 
 
 def _margins(logits: torch.Tensor) -> list[float]:

@@ -308,7 +308,7 @@ class Runner:
         res.method = self.name
         if budget is not None:
             refreshed = self._follow_machine(res)
-            if not fallback and self.drafter.adapts_budget:
+            if not fallback and (self.drafter.adapts_budget_sampled if sampled else self.drafter.adapts_budget):
                 self._observe(res, budget["theta"], sampled)
             if refreshed:  # a new cost curve: both thetas again
                 self._choose()

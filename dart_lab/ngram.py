@@ -140,6 +140,58 @@ class NGram:
             raise DartLabError(f"cannot read n-gram file {path}: {e}") from None
 
 
+class LocalNGram:
+    """The request-local n-gram of dart-ctx (drafters.ContextDrafter): `NGram`'s counts and per-token
+    back-off over ONE growing sequence (prompt + committed tokens), kept as successor dictionaries and
+    updated in place as tokens are committed. `prob` equals `NGram.from_sequences([seq], V).prob`
+    (tests/test_ngram.py). Why not rebuild an NGram each step: that is a sort of the whole sequence plus
+    an O(V) table per step (~0.6 ms of a ~35 ms step at 1,500 context tokens here); extending is
+    O(new tokens), and a few hundred lookups in small dictionaries are cheaper than binary searches."""
+
+    def __init__(self, seq=()):
+        self.seq: list[int] = []
+        self.uni: dict[int, int] = {}  # count(b)
+        self.next1: dict[int, dict[int, int]] = {}  # b -> {t: count(b, t)}
+        self.next2: dict[tuple[int, int], dict[int, int]] = {}  # (a, b) -> {t: count(a, b, t)}
+        self.extend(seq)
+
+    def extend(self, tokens) -> None:
+        """Append `tokens` to the sequence and count the n-grams they end."""
+        s, uni, n1, n2 = self.seq, self.uni, self.next1, self.next2
+        for t in map(int, tokens):
+            uni[t] = uni.get(t, 0) + 1
+            if s:
+                d = n1.setdefault(s[-1], {})
+                d[t] = d.get(t, 0) + 1
+                if len(s) >= 2:
+                    d = n2.setdefault((s[-2], s[-1]), {})
+                    d[t] = d.get(t, 0) + 1
+            s.append(t)
+
+    def sync(self, ids: list[int]) -> None:
+        """Catch up with `ids`, the same sequence grown at its end (the decode loop only appends)."""
+        if len(ids) > len(self.seq):
+            self.extend(ids[len(self.seq):])
+
+    def prob(self, ctx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """ctx (B, 2), tokens (B, K) -> p (B, K) float64, as `NGram.prob`."""
+        ctx = np.asarray(ctx, dtype=np.int64).tolist()
+        t = np.asarray(tokens, dtype=np.int64)
+        out = np.zeros(t.shape, np.float64)
+        for r, ((a, b), row) in enumerate(zip(ctx, t.tolist())):
+            n1 = self.next1.get(b) if b >= 0 else None
+            if not n1:  # no bigram (b, .) seen: no trigram either
+                continue
+            c_b = max(self.uni.get(b, 0), 1)
+            n2 = self.next2.get((a, b)) if a >= 0 else None
+            if n2:  # context (a, b) seen: a seen trigram wins, else the bigram estimate
+                c_ab = self.next1[a][b]
+                out[r] = [n2[x] / c_ab if x in n2 else n1.get(x, 0) / c_b for x in row]
+            else:
+                out[r] = [n1.get(x, 0) / c_b for x in row]
+        return out
+
+
 def read_trie(path: str | Path, vocab_size: int | None = None) -> NGram:
     """Read an official DART `.trie` file (layout in the module docstring) into an NGram."""
     path = Path(path)

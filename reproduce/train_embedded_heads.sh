@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Reproduces the draft heads shipped in dart_lab/heads/smollm2-135m/ on a 2-core CPU.
-#   bash reproduce/train_embedded_heads.sh [NUM_TRAIN] [MINUTES] [HEADS] [TOTAL_MINUTES]
+#   bash reproduce/train_embedded_heads.sh [NUM_TRAIN] [MINUTES] [HEADS] [CONTINUATIONS]
 # 1. one target pass over NUM_TRAIN ShareGPT conversations (+ 64 held out), resumable (~0.55 s per
 #    conversation here); 2. each head in HEADS trained in turn with both cores for MINUTES of wall time
 #    (the same budget for every head), held-out acc-k / chain tau every 500 steps and decoding tau
-#    (60-node tree, T=0, calibration prompts) in the learning curve; then, if TOTAL_MINUTES > MINUTES,
-#    each run is continued to TOTAL_MINUTES with a longer cosine (DART 6,200 steps, EAGLE-3 1,930: what
-#    the extra minutes reach here) -- how the shipped heads were made (60 + 35 min, decided after the
-#    first 60); 3. ship: bf16 head, model card, summary and learning curve (training_curve.json).
+#    (60-node tree, T=0, calibration prompts) in the learning curve; then each run is continued through
+#    CONTINUATIONS, "TOTAL_MINUTES:DART_STEPS:EAGLE3_STEPS" each: to that total wall time with a cosine
+#    of that length (what the extra minutes reach here) -- how the shipped heads were made: 60 min,
+#    continued to 95 and then to 125 min (each decided when the curves still rose; "" = 60 min only);
+#    3. ship: bf16 head, model card, summary and learning curve (training_curve.json).
 # Interrupted? Run it again: features and training resume where they stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NUM_TRAIN=${1:-2048}
 MINUTES=${2:-60}
 HEADS=${3:-dart eagle3}
-TOTAL=${4:-95}
+CONTINUATIONS=${4-95:6200:1930 125:7700:2400}
 BIN=.venv/bin
 RUNS=${DART_LAB_RUNS:-runs}
 START=$(date +%s)
@@ -29,8 +30,13 @@ for KIND in $HEADS; do
       --decode-every 500 --save-every 100 >> "$RUNS/$KIND.log" 2>&1
   }
   # a rerun after the first phase goes straight on to the continuation
+  # a rerun skips the phases already done (a finished run refuses a shorter schedule)
   [ -f "$RUNS/$KIND/phase1.done" ] || { train "$STEPS" "$MINUTES" && touch "$RUNS/$KIND/phase1.done"; }
-  if [ "$TOTAL" -gt "$MINUTES" ]; then train "$([ "$KIND" = dart ] && echo 6200 || echo 1930)" "$TOTAL"; fi
+  for PHASE in $CONTINUATIONS; do
+    IFS=: read -r TOTAL DART_STEPS EAGLE3_STEPS <<< "$PHASE"
+    [ -f "$RUNS/$KIND/phase_$TOTAL.done" ] && continue
+    train "$([ "$KIND" = dart ] && echo "$DART_STEPS" || echo "$EAGLE3_STEPS")" "$TOTAL" && touch "$RUNS/$KIND/phase_$TOTAL.done"
+  done
   mkdir -p dart_lab/heads/smollm2-135m
   rm -rf "dart_lab/heads/smollm2-135m/$KIND"
   cp -r "$RUNS/$KIND/head" "dart_lab/heads/smollm2-135m/$KIND"

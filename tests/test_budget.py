@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_target
 from dart_lab import GenerationConfig, generate, greedy_accept
 from dart_lab.budget import acceptance_profile, choose_budget, interpolate
-from dart_lab.drafters import Eagle3Drafter, Eagle3TreeConfig
-from dart_lab.methods import MethodOptions, make_runner, random_head
+from dart_lab.drafters import ContextDrafter, Eagle3Drafter, Eagle3TreeConfig
+from dart_lab.methods import MethodOptions, Runner, make_runner, random_head
 from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
 
 
@@ -139,3 +139,20 @@ def test_cost_curve_is_made_non_decreasing():
     from dart_lab.budget import monotone
     assert monotone({1: 26.3, 2: 29.7, 4: 27.4, 8: 31.0, 16: 30.5, 32: 54.0}) == \
         {1: 26.3, 2: 27.4, 4: 27.4, 8: 30.5, 16: 30.5, 32: 54.0}
+
+
+def test_dart_ctx_adapts_sampling_theta_only():
+    """dart-ctx keeps the calibration's greedy theta (its copy-only steps would bias the estimate) but
+    learns sampling's theta from its sampled tree steps, like dart."""
+    target = tiny_target("llama")
+    r = Runner("dart-ctx", target, ContextDrafter(random_head(target, "dart"), None), auto_budget=True)
+    r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
+    r._overhead, r._observed = 1.0, [(16, list(range(8)))] * 50  # a (random) head that drafts: no AR fallback
+    r._choose()
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 5, 9])
+    greedy_seen = len(r._observed)
+    r.generate(prompt, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
+    assert len(r._observed) == greedy_seen
+    res = r.generate(prompt, GenerationConfig(max_new_tokens=16, temperature=1.0, stop_on_eos=False))
+    tree_steps = [s for s in res.steps if "path_ranks" in s]
+    assert tree_steps and len(r._observed_sampled) == len(tree_steps)

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 from conftest import tiny_target
 from drafters_for_tests import OracleDrafter, RandomDrafter
 from dart_lab import GenerationConfig, Tree, generate
-from dart_lab.acceptance import sample_accept, target_probs
+from dart_lab.acceptance import accept, sample_accept, sample_token, target_probs
 
 
 def test_greedy_oracle_and_random_drafts_match_ar(tiny):
@@ -112,6 +112,29 @@ def test_sample_accept_marginals_with_fixed_probs():
     assert chisquare(first.numpy(), probs[0].numpy() * n).pvalue > 1e-3
     assert chisquare(second.numpy(), probs[1].numpy() * second.sum().item()).pvalue > 1e-3
     assert math.isclose(second.sum().item() / n, probs[0, 1].item(), abs_tol=0.015)
+
+
+def test_sample_token_follows_p_and_never_draws_a_zero():
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0]) * 3  # unnormalised, zeros inside and at the end
+    n = 20000
+    counts = torch.bincount(torch.tensor([sample_token(p, g) for _ in range(n)]), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    keep = [1, 3, 4]
+    assert chisquare(counts[keep].numpy(), (p[keep] / p.sum() * n).numpy()).pvalue > 1e-3
+
+
+def test_accept_computes_only_the_visited_rows_with_the_same_result():
+    """`accept` hands sample_accept a per-node probability function (rows computed on demand): the same
+    paths and bonus tokens, draw for draw, as the full (N, V) probabilities."""
+    g = torch.Generator().manual_seed(2)
+    tree = Tree(torch.tensor([0, 1, 2, 1, 3, 4, 2]), torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
+    logits = torch.randn(len(tree), 8, generator=g) * 2
+    logits[:, 1:5] += 2.0  # the drafted tokens are likely: walks go deep
+    cfg = GenerationConfig(temperature=0.9, top_p=0.95)
+    for seed in range(200):
+        got = accept(tree, logits, cfg, torch.Generator().manual_seed(seed))
+        assert got == sample_accept(tree, target_probs(logits, cfg), torch.Generator().manual_seed(seed))
 
 
 def test_target_probs_match_hf_warpers():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dart_lab import DartLabError
-from dart_lab.ngram import NGram, read_trie, write_trie
+from dart_lab.ngram import LocalNGram, NGram, read_trie, write_trie
 
 
 def brute(seqs):
@@ -40,6 +40,22 @@ def test_counts_and_backoff_match_brute_force(tmp_path):
             assert got[r, k] == pytest.approx(want)
     ng2 = NGram.load(ng.save(tmp_path / "t.npz"))
     assert np.array_equal(ng2.prob(ctx, toks), got)
+
+
+def test_local_ngram_grown_in_place_equals_a_rebuilt_table():
+    """dart-ctx's request-local n-gram, extended a few tokens at a time, gives exactly the probabilities
+    of an NGram rebuilt from the whole sequence at every stage (contexts with -1, unseen tokens)."""
+    rng = np.random.default_rng(1)
+    V = 12  # small: many repeated bigrams and trigrams
+    seq = rng.integers(0, V, size=5).tolist()
+    local = LocalNGram(seq)
+    for _ in range(30):
+        seq += rng.integers(0, V, size=int(rng.integers(1, 5))).tolist()
+        local.sync(seq)
+        ctx = rng.integers(-1, V, size=(20, 2))
+        toks = rng.integers(0, V + 3, size=(20, 7))  # ids the sequence never holds too
+        assert np.array_equal(local.prob(ctx, toks), NGram.from_sequences([seq], V + 3).prob(ctx, toks))
+    assert local.seq == seq
 
 
 def test_official_trie_layout(tmp_path):
