@@ -168,14 +168,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
         self.nh, self.nkv, self.hd, self.theta = nh, nkv, hd, cfg.rope_theta
+        self.qkv = None  # inference: q|k|v as one fused projection (fast_llama.PackedProjection), set by the drafter
 
     def forward(self, x, positions, mask, past_kv=None):
         """x (B, T, 2H); positions (T,); mask (T, S) bool (True = attend) or None for causal;
         past_kv: (k, v) each (B, nkv, P, hd). Returns out (B, T, H), new (k, v) of the T inputs."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, self.nh, self.hd).transpose(1, 2)
+        k = k.reshape(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = v.reshape(B, T, self.nkv, self.hd).transpose(1, 2)
         cos, sin = rope_lookup(positions, self.hd, self.theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = (k, v)
@@ -195,8 +200,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = None  # inference: gate|up as one fused projection, set by the drafter
 
     def forward(self, x):
+        if self.gate_up is not None:
+            g, u = self.gate_up(x).chunk(2, -1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

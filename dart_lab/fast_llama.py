@@ -85,23 +85,31 @@ def pack_linears(root: torch.nn.Module) -> int:
     n = 0
     for m in root.modules():
         if isinstance(m, torch.nn.Linear) and "forward" not in m.__dict__:
-            m.forward = _PackedForward(m)
+            m.forward = PackedProjection(m)
             n += 1
     return n
 
 
-class _PackedForward:
-    def __init__(self, m: torch.nn.Linear):
-        self.m, self.key, self.pack = m, None, None
+class PackedProjection:
+    """x -> the outputs of `mods` (nn.Linears reading the same input) concatenated along the last dim:
+    one PackedLinear when packing applies (inference on a CPU), rebuilt when any weight's dtype, device,
+    storage or version changes; else (autograd recording, other devices) one F.linear per module.
+    Several modules: fused projections for the draft head (q|k|v and gate|up, drafters.HeadDrafter)."""
+
+    def __init__(self, *mods: torch.nn.Linear):
+        self.mods, self.key, self.pack = mods, None, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.m.weight
-        if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != w.dtype or not can_pack(w.device, w.dtype):
-            return F.linear(x, w, self.m.bias)
-        key = (w.dtype, w.data_ptr(), w._version)
+        ws = [m.weight for m in self.mods]
+        w = ws[0]
+        if (torch.is_grad_enabled() and any(v.requires_grad for v in ws)) or x.dtype != w.dtype \
+                or not can_pack(w.device, w.dtype):
+            ys = [F.linear(x, m.weight, m.bias) for m in self.mods]
+            return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+        key = tuple((v.dtype, v.data_ptr(), v._version) for v in ws)
         if key != self.key:
             with torch.no_grad():
-                self.pack, self.key = PackedLinear(self.m), key
+                self.pack, self.key = PackedLinear(*self.mods), key
         return self.pack(x)
 
 

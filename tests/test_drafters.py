@@ -371,3 +371,29 @@ def test_copy_only_is_chosen_by_expected_speed():
     assert not d._copy_only_pays(2, 0.25)
     d.set_cost_model(curve, 50.0, tau)  # the same unlikely copy when drafting is very slow
     assert d._copy_only_pays(2, 0.25)
+
+
+@pytest.mark.parametrize("kind", ["dart", "eagle3"])
+def test_drafting_head_with_packed_fused_projections_computes_the_plain_forward(kind):
+    """A head drafter packs the head's linears and fuses q|k|v and gate|up (CPU inference): the same
+    logits and cache entries as the head's plain modules; training (autograd) takes the plain path."""
+    target = tiny_target("llama")
+    head = random_head(target, kind)
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, 5, head.fc.in_features, generator=g)
+    nxt = torch.randint(0, target.vocab_size, (1, 5), generator=g)
+    if kind == "dart":
+        run = lambda: head(aux, nxt, torch.arange(8), n_masks=3)  # noqa: E731
+    else:
+        run = lambda: head(aux, nxt, torch.arange(5))  # noqa: E731
+    with torch.no_grad():
+        ref = run()
+        (DartDrafter if kind == "dart" else Eagle3Drafter)(head)
+        assert head.midlayer.self_attn.qkv is not None and head.midlayer.mlp.gate_up is not None
+        got = run()
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    head.requires_grad_(True)
+    out = run()
+    torch.utils._pytree.tree_leaves(out)[0].float().sum().backward()
+    assert head.midlayer.self_attn.q_proj.weight.grad is not None and head.midlayer.mlp.up_proj.weight.grad is not None
