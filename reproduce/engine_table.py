@@ -83,6 +83,11 @@ def main():
         print(f"- machine: other processes {min(x['others_cores'] for x in load_):.2f}-"
               f"{max(x['others_cores'] for x in load_):.2f} cores; contended runs: "
               f"{sum(x['contended'] for x in load_)} of {len(load_)}")
+        # what the load counters cannot see (a VM's host, memory bandwidth): AR's own step time per prompt
+        ar_ms = {d: [p["verify_ms"] for p in run["per_prompt"] if p["method"] == "ar" and p.get("verify_ms")]
+                 for d, run in runs.items()}
+        print("- AR step ms per prompt, median (min-max): " + ", ".join(
+            f"{SHORT[d]} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for d, v in ar_ms.items() if v))
         if temp == "T0":
             div = [(d, m, r.get("divergences", 0), r.get("max_divergence_margin"), r.get("unexplained_divergences", 0))
                    for d, run in runs.items() for m, r in run["methods"].items() if m not in ("ar",)]
