@@ -76,12 +76,13 @@ def sample_accept(tree: Tree, probs, generator: torch.Generator) -> tuple[list[i
     """Recursive rejection over distinct children (see module docstring). probs: (N, V) target
     probabilities, or a function node -> (V,) probabilities of that node (then only the nodes the walk
     visits are computed: `accept` does this, since a softmax over the vocabulary costs ~0.4 ms per row
-    on a CPU and a walk visits tau of the tree's rows, not all of them)."""
-    row = probs if callable(probs) else probs.__getitem__
+    on a CPU and a walk visits tau of the tree's rows, not all of them). A function must return a new
+    tensor each call (the walk zeroes rejected tokens in it)."""
+    row = probs if callable(probs) else (lambda i: probs[i].clone())  # p is edited below: a fresh row
     tokens, children = tree.tokens.tolist(), tree.children()
     path, node = [0], 0
     while True:
-        p = row(node).clone()
+        p = row(node)
         mass = float(p.sum())  # the residual's mass, less each rejected child's p below
         accepted = None
         for c in children[node]:
