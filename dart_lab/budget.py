@@ -41,17 +41,22 @@ class BudgetConfig:
     repeats: int = 7  # timed verifies per size (median)
     prompt_len: int = 128  # committed context during the timing
     max_nodes: int = 63  # widest tree probed in the calibration decode (drafted nodes)
+    small_nodes: int = 4  # a second, small budget decoded in the calibration: drafting + search cost
+    # depends on theta (DART: fewer MASK positions, a cheaper final cut; measured here 3.0-3.5 ms at
+    # theta 2-4 vs 6-7 ms at 16-63), so the cost of small trees is measured, not scaled from the widest
     calibration_tokens: int = 48  # per calibration prompt
     refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
     refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
     refresh_repeats: int = 3  # timed verifies per size when re-measuring
+    overhead_memory: int = 512  # steps a per-theta mean of drafting + search time remembers (it follows the machine)
     sampled_min_steps: int = 128  # sampled steps covering a rank before its sampled acceptance rate is used (fewer: one
     # short answer decided it, and a pessimistic rate can send sampling to AR fallback, which then sees no drafts)
 
 
 def calibration_key(cfg: BudgetConfig) -> dict:
     """The fields a calibration decode depends on (the rest steer the runner afterwards)."""
-    return {k: getattr(cfg, k) for k in ("sizes", "repeats", "prompt_len", "max_nodes", "calibration_tokens")}
+    return {k: getattr(cfg, k) for k in ("sizes", "repeats", "prompt_len", "max_nodes", "small_nodes",
+                                         "calibration_tokens")}
 
 
 def cpu_name() -> str:
@@ -157,14 +162,31 @@ def acceptance_profile(steps: list[dict], max_nodes: int) -> list[float]:
     return [1.0 + sum(sum(1 for r in rs if r < th) for rs in ranked) / len(ranked) for th in range(max_nodes + 1)]
 
 
-def choose_budget(tau: list[float], verify_ms: dict[int, float], overhead_ms: float, overhead_scale=None) -> dict:
+def overhead_at(means: dict[int, float], theta: int, scale=None) -> float:
+    """Drafting + search ms per step at budget `theta` from the per-theta means measured so far
+    (`means`: theta -> ms): linear between measured budgets; beyond them the nearest measured one,
+    times scale(theta) / scale(nearest) (the drafter's `draft_cost_scale` shape: EAGLE-3's head
+    forwards grow with the tree's depth; DART's one forward does not)."""
+    xs = sorted(means)
+    if not xs:
+        return 0.0
+    for a, b in zip(xs, xs[1:]):
+        if a <= theta <= b:
+            return means[a] + (means[b] - means[a]) * (theta - a) / (b - a)
+    near = xs[0] if theta < xs[0] else xs[-1]
+    s = scale or (lambda th: 1.0)
+    return means[near] * s(theta) / max(s(near), 1e-9)
+
+
+def choose_budget(tau: list[float], verify_ms: dict[int, float], overhead_ms) -> dict:
     """The theta with the best expected speed; theta 0 (plain AR steps) when none beats AR.
-    overhead_ms: drafting + search per step at the widest theta; overhead_scale(theta): its fraction
-    at theta (default 1: a DART head forward and search cost about the same for every theta)."""
+    overhead_ms: drafting + search ms per step, a number (every theta alike) or a function of theta."""
     ar = 1.0 / interpolate(verify_ms, 1)
-    scale = overhead_scale or (lambda th: 1.0)
-    speed = [ar] + [tau[th] / (interpolate(verify_ms, th + 1) + overhead_ms * scale(th)) for th in range(1, len(tau))]
+    over = overhead_ms if callable(overhead_ms) else (lambda th: overhead_ms)
+    speed = [ar] + [tau[th] / (interpolate(verify_ms, th + 1) + over(th)) for th in range(1, len(tau))]
     best = max(range(len(speed)), key=lambda th: (speed[th], -th))
     return {"theta": best, "expected_speedup_vs_ar": speed[best] / ar,
-            "expected_speedup_by_theta": [round(v / ar, 4) for v in speed], "overhead_ms": overhead_ms,
+            "expected_speedup_by_theta": [round(v / ar, 4) for v in speed],
+            "overhead_ms": over(best) if best else 0.0,
+            "overhead_ms_by_theta": [round(over(th), 3) for th in range(1, len(tau))],
             "fallback_to_ar": best == 0}

@@ -113,9 +113,12 @@ class DartDrafter(HeadDrafter):
                 "ngram": getattr(self.ngram, "meta", None)}
 
 
-def copy_match(ids: list[int], max_ngram: int, length: int) -> tuple[list[int], int]:
+def copy_match(ids: list[int], max_ngram: int, length: int, periodic: bool = False) -> tuple[list[int], int]:
     """Prompt lookup: the `length` tokens that followed the most recent earlier occurrence of the last
     n tokens of `ids` (n = max_ngram..1, longest match first), and n; ([], 0) if none.
+    periodic: when that occurrence ends d < length tokens before the end (text repeating itself with
+    period d, as small targets do at T=0), the copy goes on past the end of `ids` as the same period
+    would (token k = ids[e + 1 + k mod d]) instead of stopping after d tokens.
     Runs every dart-ctx step: only the earlier positions holding the last token are extended backwards
     (one pass over the context, not one per n: 8-token matches cost ~8 passes otherwise)."""
     a = np.asarray(ids, dtype=np.int64)
@@ -136,6 +139,9 @@ def copy_match(ids: list[int], max_ngram: int, length: int) -> tuple[list[int], 
         lens += alive
     n = int(lens.max())
     e = int(ends[lens == n].max())  # the most recent of the longest matches
+    d = L - 1 - e
+    if periodic and d < length:
+        return a[e + 1 + np.arange(length) % d].tolist(), n
     return a[e + 1:e + 1 + length].tolist(), n
 
 
@@ -344,6 +350,8 @@ class ContextConfig:
         tree budget theta (up to copy_len); the rest are dropped. Why on top: on a CPU, one more tree
         node costs ~2.5 % of a step (fast runner, 8 -> 16 nodes), a copy node at depth i earns p^i
         tokens, and theta was chosen for the head's guesses alone.
+    copy_periodic: a copy from a match that ends d tokens back runs on with period d past the end of
+        the text (`copy_match`): a loop of d tokens is copied copy_len deep, not d tokens deep.
     copy_only: a step verifies the copy chain alone (no head forward, no search: PLD's cost) when
         that is the faster step by the runner's cost model (methods.Runner with an automatic
         budget; without one every step is a tree step):
@@ -362,6 +370,7 @@ class ContextConfig:
     copy_max_ngram: int = 8
     copy_match_buckets: int = 4
     copy_len: int = 16
+    copy_periodic: bool = True
     copy_only: bool = True
     copy_gain_prior_steps: float = 2.0
 
@@ -459,7 +468,7 @@ class ContextDrafter(DartDrafter):
         """The copy continuation and its p, cut where the path probability p^depth falls below
         copy_min_prob; ([], 0, p) without one."""
         c = self.ctx
-        chain, n = copy_match(ids, c.copy_max_ngram, c.copy_len) if c.copy else ([], 0)
+        chain, n = copy_match(ids, c.copy_max_ngram, c.copy_len, c.copy_periodic) if c.copy else ([], 0)
         p = np.float32(self.copy_prob(n if chain else None))  # fixed for the step
         return (chain[:int(np.sum(p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob))] if chain else []), n, p
 

@@ -19,7 +19,8 @@ import torch
 
 from .assets import cache_dir, resolve_hub
 from .atomic import write_json
-from .budget import CALIBRATION_PROMPTS, BudgetConfig, calibration_key, choose_budget, cost_curve, interpolate
+from .budget import (CALIBRATION_PROMPTS, BudgetConfig, calibration_key, choose_budget, cost_curve, interpolate,
+                     overhead_at)
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
 from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
@@ -198,8 +199,9 @@ class Runner:
 
     # -- automatic tree budget
     def _calibrate(self) -> None:
-        """Cost curve (cached per machine) and one decode of the calibration prompts at the widest
-        budget (cached per drafter: head weights, n-gram, search settings, target and dtype)."""
+        """Cost curve (cached per machine) and a decode of the calibration prompts at the widest budget
+        (its path ranks give tau(theta) for every theta) and at a small one (drafting + search cost
+        at both ends), cached per drafter: head weights, n-gram, search settings, target and dtype."""
         cfg = BudgetConfig()
         t = self.target
         self.cost = cost_curve(t, cfg)
@@ -210,17 +212,18 @@ class Runner:
                                                               .encode()).hexdigest()[:16] + ".json")
         try:
             saved = json.loads(path.read_text())
-            self._observed, self._overhead = [tuple(x) for x in saved["observed"]], saved["overhead_ms"]
+            self._observed = [tuple(x) for x in saved["observed"]]
+            self._overhead_obs = {int(k): v for k, v in saved["overhead_obs"].items()}
         except (OSError, ValueError, KeyError):
-            self._observed, overhead = [], []  # (budget, path_ranks) of every decoded step
-            for text in CALIBRATION_PROMPTS:
-                ids = t.encode_prompt(text) if t.tokenizer is not None else \
-                    torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
-                res = generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=cfg.calibration_tokens))
-                self._observe(res, cfg.max_nodes)
-                overhead += [s["draft_ms"] + s["search_ms"] for s in res.steps]
-            self._overhead = statistics.fmean(overhead) if overhead else 0.0
-            write_json(path, {"observed": self._observed, "overhead_ms": self._overhead})
+            self._observed, self._overhead_obs = [], {}  # (budget, path_ranks) of every step; theta -> [ms sum, steps]
+            for budget in (cfg.max_nodes, cfg.small_nodes):  # ranks from the widest; the cost of a small tree too
+                self.drafter.set_budget(budget)
+                for text in CALIBRATION_PROMPTS:
+                    ids = t.encode_prompt(text) if t.tokenizer is not None else \
+                        torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
+                    res = generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=cfg.calibration_tokens))
+                    self._observe(res, budget)
+            write_json(path, {"observed": self._observed, "overhead_obs": self._overhead_obs})
         self._choose()
 
     def _follow_machine(self, res: GenerationResult) -> bool:
@@ -240,9 +243,24 @@ class Runner:
                      "refreshes": self.cost.get("refreshes", 0) + 1, "refresh_trigger_ratio": round(ratio, 3)}
         return True
 
-    def _observe(self, res: GenerationResult, budget: int, sampled: bool = False) -> None:
-        (self._observed_sampled if sampled else self._observed).extend(
-            (budget, s["path_ranks"]) for s in res.steps if "path_ranks" in s)
+    def _observe(self, res: GenerationResult, budget: int, sampled: bool = False, ranks: bool = True) -> None:
+        """Record a generation drafted with `budget`: its steps' path ranks (for tau(theta), unless
+        ranks=False) and their drafting + search time (for the cost of that theta: every tree step,
+        greedy or sampled -- the time does not depend on how the tree is accepted)."""
+        if ranks:
+            (self._observed_sampled if sampled else self._observed).extend(
+                (budget, s["path_ranks"]) for s in res.steps if "path_ranks" in s)
+        ms = [s["draft_ms"] + s["search_ms"] for s in res.steps if "path_ranks" in s and not s.get("copy_only")]
+        if ms:
+            tot, n = self._overhead_obs.get(budget, (0.0, 0))
+            keep = min(1.0, BudgetConfig().overhead_memory / (n + len(ms)))  # forget old steps: follow the machine
+            self._overhead_obs[budget] = [(tot + sum(ms)) * keep, (n + len(ms)) * keep]
+
+    def overhead_ms(self, theta: int) -> float:
+        """Expected drafting + search ms per step at budget `theta` (`budget.overhead_at` over the
+        per-theta means measured in the calibration and while decoding)."""
+        means = {b: tot / n for b, (tot, n) in self._overhead_obs.items() if n > 0}
+        return overhead_at(means, theta, lambda th: self.drafter.draft_cost_scale(th, BudgetConfig().max_nodes))
 
     @staticmethod
     def _rank_rates(observed, probe: int, min_steps: int = 1) -> list[float | None]:
@@ -272,8 +290,7 @@ class Runner:
         tau = [1.0]
         for r in rates:
             tau.append(tau[-1] + (r or 0.0))
-        scale = lambda th: self.drafter.draft_cost_scale(th, probe)  # noqa: E731
-        budget = {**choose_budget(tau, self.cost["verify_ms"], self._overhead, scale),
+        budget = {**choose_budget(tau, self.cost["verify_ms"], self.overhead_ms),
                   "tau_by_theta": [round(v, 4) for v in tau],
                   "steps_observed": len(self._observed_sampled if sampled else self._observed),
                   "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"],
@@ -289,8 +306,7 @@ class Runner:
         theta = budget["theta"]
         if theta:
             self.drafter.set_budget(theta)
-            scale = self.drafter.draft_cost_scale(theta, BudgetConfig().max_nodes)
-            self.drafter.set_cost_model(self.cost["verify_ms"], self._overhead * scale, budget["tau_by_theta"])
+            self.drafter.set_cost_model(self.cost["verify_ms"], self.overhead_ms(theta), budget["tau_by_theta"])
 
     def generate(self, prompt_ids, cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
         if self.hf:
@@ -308,8 +324,9 @@ class Runner:
         res.method = self.name
         if budget is not None:
             refreshed = self._follow_machine(res)
-            if not fallback and (self.drafter.adapts_budget_sampled if sampled else self.drafter.adapts_budget):
-                self._observe(res, budget["theta"], sampled)
+            if not fallback:
+                self._observe(res, budget["theta"], sampled,
+                              ranks=self.drafter.adapts_budget_sampled if sampled else self.drafter.adapts_budget)
             if refreshed:  # a new cost curve: both thetas again
                 self._choose()
             if refreshed or not fallback:

@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_target
 from dart_lab import GenerationConfig, generate, greedy_accept
-from dart_lab.budget import acceptance_profile, choose_budget, interpolate
+from dart_lab.budget import BudgetConfig, acceptance_profile, choose_budget, interpolate, overhead_at
 from dart_lab.drafters import ContextDrafter, Eagle3Drafter, Eagle3TreeConfig
 from dart_lab.methods import MethodOptions, Runner, make_runner, random_head
 from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
@@ -70,6 +70,40 @@ def test_profile_and_choice():
     assert interpolate({1: 1.0, 3: 3.0}, 2) == 2.0
 
 
+def test_overhead_is_priced_per_theta():
+    """Drafting + search cost depends on theta (DART: fewer MASK positions at small budgets): linear
+    between measured budgets, the drafter's cost shape beyond them; a cheap small tree can beat AR
+    where pricing it at the widest tree's cost would fall back."""
+    means = {4: 2.0, 63: 8.0}
+    assert overhead_at(means, 4) == 2.0 and overhead_at(means, 63) == 8.0
+    assert overhead_at(means, 33) == pytest.approx(2.0 + 6.0 * 29 / 59)
+    assert overhead_at(means, 2) == 2.0 and overhead_at(means, 2, lambda th: th) == 1.0  # beyond: scaled by the shape
+    assert overhead_at({}, 5) == 0.0
+    tau = [1.0, 1.2, 1.3, 1.35, 1.4] + [1.4] * 59
+    verify = {1: 10.0, 8: 10.5, 64: 40.0}
+    assert choose_budget(tau, verify, 8.0)["fallback_to_ar"]  # every theta priced at the widest tree's 8 ms
+    c = choose_budget(tau, verify, lambda th: overhead_at(means, th))
+    assert c["theta"] == 4 and c["overhead_ms"] == 2.0 and c["overhead_ms_by_theta"][62] == 8.0
+
+
+def test_runner_measures_overhead_at_both_calibration_budgets_and_while_decoding():
+    target = tiny_target("llama")
+    r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
+    cfg = BudgetConfig()
+    assert set(r._overhead_obs) == {cfg.max_nodes, cfg.small_nodes}
+    assert all(n > 0 and tot > 0 for tot, n in r._overhead_obs.values())
+    r._overhead_obs = {cfg.max_nodes: [50.0, 10], cfg.small_nodes: [10.0, 10]}  # 5 ms and 1 ms per step
+    r._observed = [(cfg.max_nodes, list(range(8)))] * 50  # a head that drafts: no AR fallback
+    r._choose()
+    assert r.overhead_ms(cfg.small_nodes) == 1.0 and r.overhead_ms(cfg.max_nodes) == 5.0
+    r.budget = {**r.budget, "theta": 7, "fallback_to_ar": False}  # a budget not measured yet
+    res = r.generate(torch.tensor([5, 9, 14, 5, 9, 22, 31]), GenerationConfig(max_new_tokens=12, stop_on_eos=False))
+    tree_steps = [s for s in res.steps if "path_ranks" in s]
+    tot, n = r._overhead_obs[7]  # its steps' drafting + search time now prices theta 7
+    assert n == len(tree_steps) > 0 and tot == pytest.approx(sum(s["draft_ms"] + s["search_ms"] for s in tree_steps))
+    assert r.overhead_ms(7) == pytest.approx(tot / n)
+
+
 def test_auto_budget_runner_stays_lossless_and_records_its_choice():
     target = tiny_target("llama")
     opts = MethodOptions(random_heads=True, ngram_max_tokens=1000)
@@ -119,7 +153,7 @@ def test_sampling_gets_its_own_theta_from_its_own_acceptance():
     uses their rate, greedy decoding keeps its own, and each mode drafts with its own theta."""
     r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
     r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
-    r._overhead = 1.0
+    r._overhead_obs = {63: [1.0, 1]}
     r._observed = [(16, list(range(8)))] * 50  # greedy: ranks 0-7 always accepted
     r._observed_sampled = [(16, [0])] * 130  # sampling: rank 0 always accepted, nothing deeper
     r._choose()
@@ -147,7 +181,7 @@ def test_dart_ctx_adapts_sampling_theta_only():
     target = tiny_target("llama")
     r = Runner("dart-ctx", target, ContextDrafter(random_head(target, "dart"), None), auto_budget=True)
     r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
-    r._overhead, r._observed = 1.0, [(16, list(range(8)))] * 50  # a (random) head that drafts: no AR fallback
+    r._overhead_obs, r._observed = {63: [1.0, 1]}, [(16, list(range(8)))] * 50  # a (random) head that drafts: no AR fallback
     r._choose()
     prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 5, 9])
     greedy_seen = len(r._observed)

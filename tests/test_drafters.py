@@ -302,6 +302,24 @@ def test_copy_match_equals_the_naive_lookup():
             assert copy_match(ids, max_ngram, 5) == _copy_match_reference(ids, max_ngram, 5), (ids, max_ngram)
 
 
+def test_periodic_copy_runs_on_with_the_period_of_its_match():
+    """copy_periodic: a match that ends d tokens back continues as the same period would: the plain
+    copy first, then every token k equals the token d positions before it in ids + copy."""
+    assert copy_match([7, 1, 2, 3, 1, 2, 3, 1, 2], 8, 7) == ([3, 1, 2], 5)  # plain: stops at the end
+    assert copy_match([7, 1, 2, 3, 1, 2, 3, 1, 2], 8, 7, periodic=True) == ([3, 1, 2, 3, 1, 2, 3], 5)
+    assert copy_match([4, 5, 5, 5], 8, 4, periodic=True) == ([5, 5, 5, 5], 2)  # a run: period 1
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        ids = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        plain, n = copy_match(ids, 8, 12)
+        chain, m = copy_match(ids, 8, 12, periodic=True)
+        assert m == n and chain[:len(plain)] == plain and len(chain) == (12 if plain else 0)
+        if plain:
+            d = len(plain) if len(plain) < 12 else None
+            full = ids + chain
+            assert d is None or all(full[len(ids) + k] == full[len(ids) + k - d] for k in range(12)), (ids, chain)
+
+
 def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
     target = tiny_target("llama")
     ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
