@@ -47,7 +47,10 @@ class BudgetConfig:
     calibration_tokens: int = 48  # per calibration prompt
     refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
     refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
-    refresh_repeats: int = 3  # timed verifies per size when re-measuring
+    refresh_streak: int = 2  # consecutive generations off by refresh_ratio (same side) before re-measuring: one
+    # slow generation is often a passing host hiccup, and a curve re-measured inside it stuck (seen here: every
+    # size up to 12 nodes read 40 ms against 27-31 ms steps, and dart drafted 11 nodes for a whole dataset)
+    refresh_repeats: int = 5  # timed verifies per size when re-measuring
     overhead_memory: int = 512  # steps a per-theta mean of drafting + search time remembers (it follows the machine)
     sampled_min_steps: int = 128  # sampled steps covering a rank before its sampled acceptance rate is used (fewer: one
     # short answer decided it, and a pessimistic rate can send sampling to AR fallback, which then sees no drafts)

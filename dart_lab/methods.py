@@ -194,6 +194,7 @@ class Runner:
         self.budget: dict | None = None  # greedy decoding's theta (and sampling's: budget_sampled)
         self.budget_sampled: dict | None = None
         self._observed_sampled: list = []
+        self._off_streak = 0  # consecutive generations whose verify times disagreed with the curve (signed)
         if auto_budget and drafter is not None:
             self._calibrate()
 
@@ -229,7 +230,8 @@ class Runner:
     def _follow_machine(self, res: GenerationResult) -> bool:
         """Keep the cost curve true to the machine as it is now. When the verify steps just decoded took
         `refresh_ratio` x longer (or shorter) than the curve predicts for their tree sizes (median over
-        steps), the curve is measured again (not cached) and theta is re-chosen. A busy machine changes
+        steps) in `refresh_streak` generations in a row, the curve is measured again (not cached) and
+        theta is re-chosen. A busy machine changes
         the curve's shape, not only its scale -- one-token steps slowed 4x under contention here while
         a tree verify, the same number of ops, slowed far less -- so a rescale would not do."""
         cfg = BudgetConfig()
@@ -237,8 +239,12 @@ class Runner:
         if len(obs) < cfg.refresh_min_steps:
             return False
         ratio = statistics.median(ms / interpolate(self.cost["verify_ms"], n) for n, ms in obs)
-        if 1 / cfg.refresh_ratio <= ratio <= cfg.refresh_ratio:
+        side = 1 if ratio > cfg.refresh_ratio else -1 if ratio < 1 / cfg.refresh_ratio else 0
+        streak = self._off_streak
+        self._off_streak = (streak + side if side and streak * side >= 0 else side)  # same side in a row
+        if abs(self._off_streak) < cfg.refresh_streak:
             return False
+        self._off_streak = 0
         self.cost = {**cost_curve(self.target, dataclasses.replace(cfg, repeats=cfg.refresh_repeats), cache=False),
                      "refreshes": self.cost.get("refreshes", 0) + 1, "refresh_trigger_ratio": round(ratio, 3)}
         return True

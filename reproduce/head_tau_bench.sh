@@ -4,6 +4,7 @@
 # check). tau does not depend on the machine's load (T=0 is deterministic), so the two halves of the
 # datasets run side by side.
 #   bash reproduce/head_tau_bench.sh [OUT_DIR] [extra bench flags, e.g. --dart-head DIR]
+#   (NUM_PROMPTS=3 for a short run; METHODS=dart,eagle3 leaves out AR's lossless check, ~1/4 shorter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-reproduce/results/heads}
@@ -12,7 +13,7 @@ B=.venv/bin
 mkdir -p "$OUT"
 run() {
   for ds in "$@"; do
-    $B/dart-lab bench --methods ar,dart,eagle3 --tree-nodes paper --dataset "$ds" --num-prompts "${NUM_PROMPTS:-10}" \
+    $B/dart-lab bench --methods "${METHODS:-ar,dart,eagle3}" --tree-nodes paper --dataset "$ds" --num-prompts "${NUM_PROMPTS:-10}" \
       --max-new-tokens 128 --out "$OUT/${ds}_tau60.json" --no-progress $EXTRA > /dev/null
   done
 }

@@ -121,7 +121,8 @@ def test_auto_budget_runner_stays_lossless_and_records_its_choice():
 
 def test_cost_curve_follows_the_machine():
     """Steps that take far longer than the curve predicts (here: a curve 1000x too fast, as if the
-    machine had become busy) re-measure the curve and re-choose theta; the output stays lossless."""
+    machine had become busy) in two generations in a row re-measure the curve and re-choose theta (one
+    such generation does not: it may be a passing hiccup); the output stays lossless."""
     target = tiny_target("llama")
     cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
     prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
@@ -129,6 +130,9 @@ def test_cost_curve_follows_the_machine():
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
     stale = {n: ms / 1000 for n, ms in r.cost["verify_ms"].items()}
     r.cost = {**r.cost, "verify_ms": stale}
+    res = r.generate(prompt, cfg)
+    assert res.tokens == ar.tokens
+    assert r.budget["cost_refreshes"] == 0 and r.cost["verify_ms"] == stale
     res = r.generate(prompt, cfg)
     assert res.tokens == ar.tokens
     assert r.budget["cost_refreshes"] == 1 and r.budget["verify_ms"] != stale
