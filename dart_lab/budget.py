@@ -42,8 +42,8 @@ class BudgetConfig:
     prompt_len: int = 128  # committed context during the timing
     max_nodes: int = 63  # widest tree probed in the calibration decode (drafted nodes)
     small_nodes: int = 4  # a second, small budget decoded in the calibration: drafting + search cost
-    # depends on theta (DART: fewer MASK positions, a cheaper final cut; measured here 3.0-3.5 ms at
-    # theta 2-4 vs 6-7 ms at 16-63), so the cost of small trees is measured, not scaled from the widest
+    # depends on theta (DART: fewer MASK positions, a smaller beam; measured here 3.0-3.5 ms at theta
+    # 2-4 vs 5.7-7 ms at 16-63), so the cost of small trees is measured, not scaled from the widest
     calibration_tokens: int = 48  # per calibration prompt
     refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
     refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
@@ -190,11 +190,11 @@ def choose_budget(tau: list[float], verify_ms: dict[int, float], overhead_ms) ->
     """The theta with the best expected speed; theta 0 (plain AR steps) when none beats AR.
     overhead_ms: drafting + search ms per step, a number (every theta alike) or a function of theta."""
     ar = 1.0 / interpolate(verify_ms, 1)
-    over = overhead_ms if callable(overhead_ms) else (lambda th: overhead_ms)
-    speed = [ar] + [tau[th] / (interpolate(verify_ms, th + 1) + over(th)) for th in range(1, len(tau))]
+    over = [0.0] + [overhead_ms(th) if callable(overhead_ms) else overhead_ms for th in range(1, len(tau))]
+    speed = [ar] + [tau[th] / (interpolate(verify_ms, th + 1) + over[th]) for th in range(1, len(tau))]
     best = max(range(len(speed)), key=lambda th: (speed[th], -th))
     return {"theta": best, "expected_speedup_vs_ar": speed[best] / ar,
             "expected_speedup_by_theta": [round(v / ar, 4) for v in speed],
-            "overhead_ms": over(best) if best else 0.0,
-            "overhead_ms_by_theta": [round(over(th), 3) for th in range(1, len(tau))],
+            "overhead_ms": over[best],
+            "overhead_ms_by_theta": [round(v, 3) for v in over[1:]],
             "fallback_to_ar": best == 0}

@@ -231,8 +231,7 @@ class Runner:
         """Keep the cost curve true to the machine as it is now. When the verify steps just decoded took
         `refresh_ratio` x longer (or shorter) than the curve predicts for their tree sizes (median over
         steps) in `refresh_streak` generations in a row, the curve is measured again (not cached) and
-        theta is re-chosen. A busy machine changes
-        the curve's shape, not only its scale -- one-token steps slowed 4x under contention here while
+        theta is re-chosen. A busy machine changes the curve's shape, not only its scale -- one-token steps slowed 4x under contention here while
         a tree verify, the same number of ops, slowed far less -- so a rescale would not do."""
         cfg = BudgetConfig()
         obs = [(s["tree_size"], s["verify_ms"]) for s in res.steps if "tree_size" in s]
@@ -240,8 +239,8 @@ class Runner:
             return False
         ratio = statistics.median(ms / interpolate(self.cost["verify_ms"], n) for n, ms in obs)
         side = 1 if ratio > cfg.refresh_ratio else -1 if ratio < 1 / cfg.refresh_ratio else 0
-        streak = self._off_streak
-        self._off_streak = (streak + side if side and streak * side >= 0 else side)  # same side in a row
+        # count generations off the curve on the same side in a row (signed); a good one or a flip restarts
+        self._off_streak = self._off_streak + side if side and self._off_streak * side > 0 else side
         if abs(self._off_streak) < cfg.refresh_streak:
             return False
         self._off_streak = 0
