@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="mt_bench", help="mt_bench | humaneval | gsm8k | code_alpaca | alpaca | jsonl:PATH")
     b.add_argument("--num-prompts", type=int, default=BenchConfig.num_prompts)
     b.add_argument("--warmup", type=int, default=BenchConfig.warmup)
+    b.add_argument("--repeats", type=int, default=BenchConfig.repeats,
+                   help="T=0: run each prompt this many times per method, count the fastest (a noisy host)")
     b.add_argument("--out", required=True, help="output JSON file")
     b.add_argument("--no-progress", action="store_true")
     _add_generation_args(b)
@@ -172,7 +174,7 @@ def cmd_bench(args) -> int:
     g = from_fields(GenerationConfig, args)
     cfg = BenchConfig(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), dataset=args.dataset,
                       num_prompts=args.num_prompts, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                      top_p=g.top_p, top_k=g.top_k, seed=g.seed, warmup=args.warmup, model=args.target,
+                      top_p=g.top_p, top_k=g.top_k, seed=g.seed, warmup=args.warmup, repeats=args.repeats, model=args.target,
                       device=args.device, dtype=args.dtype, options=_options(args))
     res = run_bench(cfg, args.out, progress=not args.no_progress)
     print(format_table(res))

@@ -12,14 +12,15 @@ cd "$(dirname "$0")/.."
 OUT=${1:-reproduce/results/engine}
 B=.venv/bin
 N0=${NUM_PROMPTS:-10}
-N1=${T1_PROMPTS:-5}
+N1=${T1_PROMPTS:-10}
+R0=${REPEATS:-2}  # T=0 passes per (prompt, method), the fastest counts (a noisy VM host; dart_lab/bench.py)
 DATASETS=${DATASETS:-mt_bench humaneval gsm8k code_alpaca alpaca copy_edit}
 M0=${METHODS_T0:-ar,dart,dart-ctx,dart-ctx-ngram,dart-ctx-copy,dart-ctx-pooled,eagle3,pld,hf}  # without the ablations: ~1/3 shorter
 mkdir -p "$OUT"
 START=$(date +%s)
 for ds in $DATASETS; do
   $B/dart-lab bench --methods "$M0" --dataset "$ds" \
-    --num-prompts "$N0" --max-new-tokens 128 --out "$OUT/${ds}_T0.json" --no-progress
+    --num-prompts "$N0" --repeats "$R0" --max-new-tokens 128 --out "$OUT/${ds}_T0.json" --no-progress
 done
 for ds in $DATASETS; do
   $B/dart-lab bench --methods ar,dart,dart-ctx,eagle3,pld --dataset "$ds" --num-prompts "$N1" --max-new-tokens 128 \

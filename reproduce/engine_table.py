@@ -75,6 +75,14 @@ def main():
                      ratio(runs, "dart-ctx", ["dart", "pld"], "dart-ctx over the faster of dart and pld")):
             if line:
                 print(line)
+        first = {d: run["methods_first_pass"] for d, run in runs.items() if "methods_first_pass" in run}
+        if first:  # the same run without the best-of-repeats selection
+            reps = next(iter(runs.values()))["config"].get("repeats", 1)
+            print(f"- each (prompt, method) counted by the fastest of {reps} interleaved passes; the first pass alone: " + "; ".join(
+                f"{m} " + ", ".join(f"{SHORT[d]} {first[d][m]['speedup_vs_ar']:.2f}" for d in first if m in first[d]) +
+                (f" (mean of the five {statistics.fmean(first[d][m]['speedup_vs_ar'] for d in first if d in PAPER and m in first[d]):.2f})"
+                 if any(d in PAPER and m in first[d] for d in first) else "")
+                for m in methods if m in ("dart", "dart-ctx", "eagle3", "pld")))
         share = [f"{SHORT[d]} {run['methods']['dart-ctx']['copy_only_share']:.2f}" for d, run in runs.items()
                  if "copy_only_share" in run["methods"].get("dart-ctx", {})]
         if share:

@@ -54,6 +54,26 @@ def test_bench_json_schema_and_resume(embedded, tmp_path, monkeypatch):
     assert res["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
 
 
+def test_bench_repeats_count_the_fastest_pass(embedded, tmp_path):
+    cfg = BenchConfig(methods=("ar", "dart"), dataset="mt_bench", num_prompts=2, max_new_tokens=8, warmup=0,
+                      repeats=2, model="smollm2-135m", device="cpu", dtype="fp32", options=OPTS)
+    res = run_bench(cfg, tmp_path / "r.json", target=embedded, progress=False)
+    rows = res["per_prompt"]
+    assert sorted((r["prompt_id"], r["method"], r["repeat"]) for r in rows) == sorted(
+        (p, m, k) for p in {r["prompt_id"] for r in rows} for m in ("ar", "dart") for k in (0, 1))
+    for m in ("ar", "dart"):
+        best = sum(min(r["total_s"] for r in rows if r["method"] == m and r["prompt_id"] == p)
+                   for p in {r["prompt_id"] for r in rows})
+        first = sum(r["total_s"] for r in rows if r["method"] == m and r["repeat"] == 0)
+        assert res["methods"][m]["total_s"] == pytest.approx(best)
+        assert res["methods_first_pass"][m]["total_s"] == pytest.approx(first)
+        assert res["methods"][m]["match_ar"] == 1.0  # greedy passes emit the same tokens
+    with pytest.raises(DartLabError, match="repeats > 1 needs temperature 0"):
+        BenchConfig(repeats=2, temperature=1.0)
+    with pytest.raises(DartLabError, match="repeats must be >= 1"):
+        BenchConfig(repeats=0)
+
+
 def test_datasets_load():
     for name in ("mt_bench", "humaneval"):
         rows = load_prompts(name, 3)
