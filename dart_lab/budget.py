@@ -83,7 +83,8 @@ def fingerprint(target) -> dict:
             "torch": torch.__version__, "target": target.name, "layers": target.num_layers,
             "hidden": target.hidden_size, "dtype": str(target.dtype), "runner": getattr(target, "runner", "hf"),
             "packed_weights": getattr(target, "packs_weights", False),
-            "attention_dtype": str(getattr(target, "cache_dtype", target.dtype))}
+            "attention_dtype": str(getattr(target, "cache_dtype", target.dtype)),
+            "runner_revision": getattr(target, "runner_revision", 0)}  # a cheaper runner re-measures its curve
 
 
 @torch.no_grad()
