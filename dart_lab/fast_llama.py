@@ -119,10 +119,10 @@ class FastTarget(Target):
 
     capacity_step: int = 512  # the cache grows in steps of this many positions (rarely: one reallocation)
     fp32_attention: bool = True  # CPU, half types: K/V cache and attention in fp32 (see _forward)
+    pack_weights: bool = True  # CPU, fp32/bf16: oneDNN-packed fused projections (module docstring)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask)
     runner_revision = 2
-    pack_weights: bool = True  # CPU, fp32/bf16: oneDNN-packed fused projections (module docstring)
 
     def __post_init__(self) -> None:
         super().__post_init__()

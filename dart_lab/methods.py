@@ -231,8 +231,9 @@ class Runner:
         """Keep the cost curve true to the machine as it is now. When the verify steps just decoded took
         `refresh_ratio` x longer (or shorter) than the curve predicts for their tree sizes (median over
         steps) in `refresh_streak` generations in a row, the curve is measured again (not cached) and
-        theta is re-chosen. A busy machine changes the curve's shape, not only its scale -- one-token steps slowed 4x under contention here while
-        a tree verify, the same number of ops, slowed far less -- so a rescale would not do."""
+        theta is re-chosen. A busy machine changes the curve's shape, not only its scale -- one-token
+        steps slowed 4x under contention here while a tree verify, the same number of ops, slowed far
+        less -- so a rescale would not do."""
         cfg = BudgetConfig()
         obs = [(s["tree_size"], s["verify_ms"]) for s in res.steps if "tree_size" in s]
         if len(obs) < cfg.refresh_min_steps:

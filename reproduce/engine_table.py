@@ -60,6 +60,19 @@ def ratio(runs: dict, a: str, b, label: str) -> str:
     return f"- {label}: " + ", ".join(c for c in cells if c != "-") + mean
 
 
+def first_pass_line(runs: dict, methods: list[str]) -> str:
+    """The same run without the best-of-repeats selection (bench --repeats): speedup per dataset."""
+    reps = next(iter(runs.values()))["config"].get("repeats", 1)
+    parts = []
+    for m in methods:
+        vals = {d: run["methods_first_pass"][m]["speedup_vs_ar"] for d, run in runs.items()
+                if m in run.get("methods_first_pass", {})}
+        five = [v for d, v in vals.items() if d in PAPER]
+        mean = f" (mean of the five {statistics.fmean(five):.2f})" if five else ""
+        parts.append(f"{m} " + ", ".join(f"{SHORT[d]} {v:.2f}" for d, v in vals.items()) + mean)
+    return f"- each (prompt, method) counted by the fastest of {reps} interleaved passes; the first pass alone: " + "; ".join(parts)
+
+
 def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "reproduce/results/engine")
     for temp in ("T0", "T1"):
@@ -75,14 +88,8 @@ def main():
                      ratio(runs, "dart-ctx", ["dart", "pld"], "dart-ctx over the faster of dart and pld")):
             if line:
                 print(line)
-        first = {d: run["methods_first_pass"] for d, run in runs.items() if "methods_first_pass" in run}
-        if first:  # the same run without the best-of-repeats selection
-            reps = next(iter(runs.values()))["config"].get("repeats", 1)
-            print(f"- each (prompt, method) counted by the fastest of {reps} interleaved passes; the first pass alone: " + "; ".join(
-                f"{m} " + ", ".join(f"{SHORT[d]} {first[d][m]['speedup_vs_ar']:.2f}" for d in first if m in first[d]) +
-                (f" (mean of the five {statistics.fmean(first[d][m]['speedup_vs_ar'] for d in first if d in PAPER and m in first[d]):.2f})"
-                 if any(d in PAPER and m in first[d] for d in first) else "")
-                for m in methods if m in ("dart", "dart-ctx", "eagle3", "pld")))
+        if any("methods_first_pass" in run for run in runs.values()):
+            print(first_pass_line(runs, [m for m in methods if m in ("dart", "dart-ctx", "eagle3", "pld")]))
         share = [f"{SHORT[d]} {run['methods']['dart-ctx']['copy_only_share']:.2f}" for d, run in runs.items()
                  if "copy_only_share" in run["methods"].get("dart-ctx", {})]
         if share:
