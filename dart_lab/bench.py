@@ -64,6 +64,7 @@ class BenchConfig:
     model: str = "smollm2-135m"
     device: str = "auto"
     dtype: str = "auto"
+    compile: bool = False  # torch.compile the target's steps (fast_llama.FastTarget.compile)
     options: MethodOptions = field(default_factory=MethodOptions)
 
     def __post_init__(self):
@@ -96,6 +97,8 @@ def machine_info(target) -> dict:
             "processor": platform.processor(), "torch": torch.__version__, "transformers": transformers.__version__,
             "device": str(target.device), "dtype": str(target.dtype), "torch_threads": torch.get_num_threads(),
             "dtype_report": target.dtype_report}
+    if getattr(target, "compile", False):  # time in first calls of new step shapes (in the measured runs too)
+        info["compile_seconds"] = round(target.compile_seconds, 1)
     if target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(target.device)
     return info
@@ -227,7 +230,7 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     if not os.access(out.parent, os.W_OK):
         raise DartLabError(f"output folder {out.parent} is not writable")
     prompts = load_prompts(cfg.dataset, cfg.num_prompts)
-    target = target or load_target(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    target = target or load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile)
     shared: dict = {}
     runners = {m: make_runner(m, target, cfg.options, shared) for m in cfg.methods}
     greedy = cfg.temperature == 0.0

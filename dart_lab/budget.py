@@ -84,7 +84,8 @@ def fingerprint(target) -> dict:
             "hidden": target.hidden_size, "dtype": str(target.dtype), "runner": getattr(target, "runner", "hf"),
             "packed_weights": getattr(target, "packs_weights", False),
             "attention_dtype": str(getattr(target, "cache_dtype", target.dtype)),
-            "runner_revision": getattr(target, "runner_revision", 0)}  # a cheaper runner re-measures its curve
+            "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve
+            "compiled": list(target.node_buckets) if getattr(target, "compile", False) else False}
 
 
 @torch.no_grad()

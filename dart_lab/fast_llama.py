@@ -6,19 +6,24 @@ through the HF public forward is overhead -- the 4D additive mask HF rebuilds, a
 grows by concatenation every step, the full hidden-states tuple -- not the matmuls. Here:
   - a preallocated KV cache (L, 1, kv_heads, capacity, head_dim) per K and V, written in place;
     compaction of the accepted path is ONE gather/scatter over all layers (`commit`);
-  - tree attention with a boolean (N, P+N) mask built once per step, GQA inside SDPA; for a half
+  - tree attention with an additive (N, P+N) mask built once per step, GQA inside SDPA; for a half
     type on a CPU the cache and the attention are fp32 (SDPA's CPU kernel is faster there);
   - the three aux states taken where they are produced (inputs of layers 2, L//2, L-3);
   - logits only where needed (prefill: the last row unless asked for all);
   - on a CPU, the projections as oneDNN-packed fused weights (q|k|v and gate|up as one matmul each):
     the packed layout lets oneDNN skip re-blocking the weight at every call, which is most of a
     small-M matmul's time here (all 30 layers' matmuls at M=1 in bf16: 22 -> 15 ms, 2-core EPYC).
+  - optionally (`compile=True`, `--compile`), one-token steps and tree verifies through `torch.compile`
+    with static shapes (`StepGraph`: nodes padded to a few buckets, attention over the cache in fixed
+    multiples of slots under the additive mask, inductor's freezing packing the weights): fused small
+    ops, ~20-25 % off a step here, but ~33 s of compiling per shape on a 2-core CPU, so off by default.
 Norms and rotary embedding are the HF modules' own; the packed copies are rebuilt when the model's
-dtype or device changes, so a `model.to(dtype)` applies here too. `target.HFTarget` (the public forward) stays the reference:
+dtype or device changes, so a `model.to(dtype)` applies here too. `target.Target` (the public forward) stays the reference:
 tests/test_fast_runner.py checks logits, aux states and compaction against it on random trees.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +56,6 @@ def unsupported_reason(model) -> str | None:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
-
-
-def _lin(m, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, m.weight, m.bias)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -113,6 +114,100 @@ class PackedProjection:
         return self.pack(x)
 
 
+def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, caches: tuple[list, list], n_keys: int, attn_mask: torch.Tensor | None,
+                 causal: bool = False, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Llama-family decoder over N new nodes: the one home of the layer math, run eagerly by
+    `FastTarget` and compiled by `StepGraph`.
+
+    ids, positions, slots (N,): tokens, rotary positions and the cache slots their K/V are written to;
+    caches: per-layer K and V, (1, kv_heads, capacity, head_dim) each; attention reads slots [0, n_keys)
+    under `attn_mask` (1, 1, N, n_keys) additive, or causally; projs: per layer (qkv, o, gate_up, down)
+    callables; head: the LM head. Returns logits (N or the `rows`, V) fp32 and the aux states (N, 3H):
+    the inputs of the aux layers (paper Sec. 3.1), in `geometry`'s order.
+    """
+    nh, nkv, hd, scaling, qk_norm, aux_layers = geometry
+    inner = model.model
+    N = ids.shape[0]
+    x = inner.embed_tokens(ids[None])  # (1, N, H)
+    cos, sin = inner.rotary_emb(x, positions[None])
+    cos, sin = cos[:, None], sin[:, None]  # (1, 1, N, hd)
+    taps = {}
+    for i, layer in enumerate(inner.layers):
+        if i in aux_layers:
+            taps[i] = x[0]
+        att, (qkv, o_proj, gate_up, down) = layer.self_attn, projs[i]
+        q, k, v = qkv(layer.input_layernorm(x)).view(1, N, nh + 2 * nkv, hd).split((nh, nkv, nkv), dim=2)
+        if qk_norm:
+            q, k = att.q_norm(q), att.k_norm(k)
+        q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+        K, V = caches[0][i], caches[1][i]
+        K.index_copy_(2, slots, k.to(K.dtype))
+        V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
+        o = F.scaled_dot_product_attention(q.to(K.dtype), K[:, :, :n_keys], V[:, :, :n_keys], attn_mask=attn_mask,
+                                           is_causal=causal, scale=scaling, enable_gqa=nkv != nh).to(x.dtype)
+        x = x + o_proj(o.transpose(1, 2).reshape(1, N, nh * hd))
+        gate, up = gate_up(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+        x = x + down(layer.mlp.act_fn(gate) * up)
+    logits = head(inner.norm(x[0] if rows is None else x[0, rows])).float()
+    return logits, torch.cat([taps[i] for i in aux_layers], dim=-1)
+
+
+def _side_by_side(*mods: torch.nn.Linear):
+    """x -> the outputs of `mods` (reading the same input) concatenated, each through its own weights."""
+    return lambda x: torch.cat([F.linear(x, m.weight, m.bias) for m in mods], dim=-1)
+
+
+def _fused_linear(*mods: torch.nn.Linear) -> torch.nn.Linear:
+    """One nn.Linear computing `mods` (reading the same input) side by side: a copy of their weights."""
+    w = torch.cat([m.weight.detach() for m in mods])
+    out = torch.nn.Linear(w.shape[1], w.shape[0], bias=mods[0].bias is not None, dtype=w.dtype, device=w.device)
+    out.weight = torch.nn.Parameter(w, requires_grad=False)
+    if mods[0].bias is not None:
+        out.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in mods]), requires_grad=False)
+    return out
+
+
+class StepGraph(torch.nn.Module):
+    """`decoder_step` for `torch.compile` (FastTarget.compile): q|k|v and gate|up as fused nn.Linear
+    copies, compiled with inductor's freezing (the weights become constants; on a CPU inductor packs
+    them for oneDNN, as PackedLinear does eagerly) and static shapes: one graph per (node bucket, key
+    bucket), compiled on first use. `shapes` lists the ones seen (tests count real compilations)."""
+
+    def __init__(self, target: "FastTarget", key) -> None:
+        super().__init__()
+        layers = target.model.model.layers
+        self.target_model = target.model
+        self.qkv = torch.nn.ModuleList(_fused_linear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)
+                                       for l in layers)
+        self.gate_up = torch.nn.ModuleList(_fused_linear(l.mlp.gate_proj, l.mlp.up_proj) for l in layers)
+        self.geometry, self.key, self.shapes = target._geometry(), key, set()
+        self.eval()
+        # kept out of the module registry (a compiled module holding itself would loop in .modules())
+        object.__setattr__(self, "_compiled", torch.compile(self, dynamic=False, fullgraph=True))
+        # one graph per shape: allow as many as the buckets can make without falling back to eager
+        need = len(target.node_buckets) * (target.compile_capacity // target.key_bucket + 1)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * need)
+
+    def forward(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int):
+        projs = [(self.qkv[i], l.self_attn.o_proj, self.gate_up[i], l.mlp.down_proj)
+                 for i, l in enumerate(self.target_model.model.layers)]
+        return decoder_step(self.target_model, projs, self.target_model.lm_head, self.geometry, ids, positions,
+                            slots, (ks, vs), n_keys, attn_mask)
+
+    def run(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int):
+        """(logits (Nb, V), aux (Nb, 3H)) for a padded step; Nb = ids.numel()."""
+        shape = (ids.numel(), n_keys)
+        if shape in self.shapes:
+            return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
+        self.shapes.add(shape)
+        # freezing is read while compiling (torch.compile's `options` did not reach it here: the linears
+        # stayed aten::mm, 21 -> 28 ms per one-token step), so it is set around the call that compiles
+        with torch._inductor.config.patch(freezing=True):
+            return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
+
+
 @dataclass
 class FastTarget(Target):
     """`Target` with the lean forward (module docstring). Same protocol: prefill, verify, commit."""
@@ -120,9 +215,16 @@ class FastTarget(Target):
     capacity_step: int = 512  # the cache grows in steps of this many positions (rarely: one reallocation)
     fp32_attention: bool = True  # CPU, half types: K/V cache and attention in fp32 (see _forward)
     pack_weights: bool = True  # CPU, fp32/bf16: oneDNN-packed fused projections (module docstring)
+    # torch.compile of one-token steps and tree verifies (StepGraph; prefill stays eager): off by default,
+    # compiling costs ~33 s per shape here and pays only over long runs (reproduce/compile_bench.py)
+    compile: bool = False
+    node_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)  # a step of N nodes runs padded to the next of these
+    key_bucket: int = 256  # attention reads the cache in multiples of this many slots
+    compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
-    # a curve measured with older code is not reused (2: the additive tree mask)
-    runner_revision = 2
+    # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
+    # writes by index_copy_, paired in one process -0.7 to -1.3 ms per step)
+    runner_revision = 3
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,6 +241,8 @@ class FastTarget(Target):
         self.runner = "fast"
         self._k = self._v = None
         self._packed, self._packed_key, self._params = None, None, None
+        self._kv_views, self._step_graph = None, None
+        self.compile_seconds = 0.0  # time spent in first calls of new shapes (compiling), this target's life
 
     @property
     def packs_weights(self) -> bool:
@@ -176,7 +280,9 @@ class FastTarget(Target):
             return
         cap = min(max(n, 1) + self.capacity_step, max(self.max_context, n))
         shape = (self.num_layers, 1, self.n_kv, cap, self.head_dim)
-        k, v = torch.empty(shape, dtype=dt, device=dev), torch.empty(shape, dtype=dt, device=dev)
+        # zeros, not empty: a compiled step attends over whole blocks of slots with the unused ones masked,
+        # and a masked slot's weight 0 times a NaN left in uninitialised memory is still NaN
+        k, v = torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev)
         if self._k is not None and self.seq_len:
             k[:, :, :, :self.seq_len] = self._k[:, :, :, :self.seq_len].to(dt)
             v[:, :, :, :self.seq_len] = self._v[:, :, :, :self.seq_len].to(dt)
@@ -194,65 +300,90 @@ class FastTarget(Target):
         return allowed.to(self.device)
 
     # -- forward
+    def _eager_projections(self) -> tuple[list, object]:
+        """Per layer (qkv, o, gate_up, down) callables and the LM head for the eager forward: oneDNN-packed
+        where that applies, else the HF modules' own weights through F.linear (q|k|v, gate|up side by side)."""
+        packs = self._packs()
+        if packs:
+            return packs
+        return [(_side_by_side(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), l.self_attn.o_proj,
+                 _side_by_side(l.mlp.gate_proj, l.mlp.up_proj), l.mlp.down_proj)
+                for l in self.model.model.layers], self.model.lm_head
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, want_aux: bool,
                  rows: slice | None = None) -> TargetOutput:
         """ids, positions (N,); mask (N, P+N) bool or None (causal prefill / a single token)."""
         P, N = self.seq_len, ids.numel()
+        if self.compile and (P > 0 or N == 1):
+            out = self._compiled_step(ids, positions, mask, want_aux)
+            if out is not None:
+                return out
         self._ensure(P + N)
         dev = self.device
-        inner = self.model.model
-        x = inner.embed_tokens(ids[None].to(dev))  # (1, N, H)
-        cos, sin = inner.rotary_emb(x, positions[None].to(dev))
-        cos, sin = cos[:, None], sin[:, None]  # (1, 1, N, hd)
-        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        taps = {}
         # a half type on a CPU: the K/V cache is kept in fp32 (the bf16-rounded values, so the same
         # numbers) and attention runs in fp32 -- SDPA's CPU kernel is faster there than in bf16, and no
         # cast of the cache per call (9 heads, 300 keys: 1 query 38 vs 188 us bf16 / 124 us cast at
         # use; 8 queries 90 vs 123 us; 2-core EPYC)
-        fp32_attn = self.cache_dtype != self.dtype
         attn_mask = None
         if mask is not None:  # additive, built once per forward: a bool mask is converted by SDPA in every
             # layer (2 ops each; ~9 us of a ~80 us tree attention per layer, 2-core EPYC, 300 keys)
-            at_dt = torch.float32 if fp32_attn else self.dtype
-            attn_mask = torch.zeros(mask.shape, dtype=at_dt, device=dev).masked_fill_(~mask.to(dev), float("-inf"))[None, None]
-        causal = mask is None and N > 1 and P == 0
-        packs = self._packs()
-        for i, layer in enumerate(inner.layers):
-            if want_aux and i in self.aux_layers:
-                taps[i] = x[0]
-            att = layer.self_attn
-            h = layer.input_layernorm(x)
-            if packs:  # one matmul for q|k|v
-                q, k, v = packs[0][i][0](h).view(1, N, nh + 2 * nkv, hd).split((nh, nkv, nkv), dim=2)
-            else:
-                q = _lin(att.q_proj, h).view(1, N, nh, hd)
-                k = _lin(att.k_proj, h).view(1, N, nkv, hd)
-                v = _lin(att.v_proj, h).view(1, N, nkv, hd)
-            if self.qk_norm:
-                q, k = att.q_norm(q), att.k_norm(k)
-            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
-            self._k[i, :, :, P:P + N] = k
-            self._v[i, :, :, P:P + N] = v.transpose(1, 2)
-            K, V = self._k[i, :, :, :P + N], self._v[i, :, :, :P + N]
-            if fp32_attn:
-                q = q.float()
-            o = F.scaled_dot_product_attention(q, K, V, attn_mask=attn_mask, is_causal=causal, scale=self.scaling,
-                                               enable_gqa=nkv != nh).to(x.dtype)
-            o = o.transpose(1, 2).reshape(1, N, nh * hd)
-            mlp = layer.mlp
-            if packs:
-                x = x + packs[0][i][1](o)
-                gate, up = packs[0][i][2](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
-                x = x + packs[0][i][3](mlp.act_fn(gate) * up)
-            else:
-                x = x + _lin(att.o_proj, o)
-                h = layer.post_attention_layernorm(x)
-                x = x + _lin(mlp.down_proj, mlp.act_fn(_lin(mlp.gate_proj, h)) * _lin(mlp.up_proj, h))
-        x = inner.norm(x[0] if rows is None else x[0, rows])
-        logits = (packs[1](x) if packs else self.model.lm_head(x)).float()
-        aux = torch.cat([taps[i] for i in self.aux_layers], dim=-1) if want_aux else None
-        return TargetOutput(logits, aux)
+            attn_mask = torch.zeros(mask.shape, dtype=self.cache_dtype, device=dev).masked_fill_(
+                ~mask.to(dev), float("-inf"))[None, None]
+        slots = torch.arange(P, P + N, device=dev)
+        logits, aux = decoder_step(self.model, *self._eager_projections(), self._geometry(), ids.to(dev),
+                                   positions.to(dev), slots, self._layer_caches(), P + N, attn_mask,
+                                   causal=mask is None and N > 1 and P == 0, rows=rows)
+        return TargetOutput(logits, aux if want_aux else None)
+
+    def _geometry(self) -> tuple:
+        return (self.n_heads, self.n_kv, self.head_dim, self.scaling, self.qk_norm, self.aux_layers)
+
+    def _layer_caches(self) -> tuple[list, list]:
+        """Per-layer views (1, kv_heads, capacity, head_dim) of the K and V caches."""
+        if self._kv_views is None or self._kv_views[0][0]._base is not self._k:
+            self._kv_views = (list(self._k.unbind(0)), list(self._v.unbind(0)))
+        return self._kv_views
+
+    # -- compiled steps (issue "speed where the user is", item 2)
+    def _compiled_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                       want_aux: bool) -> TargetOutput | None:
+        """A one-token step or tree verify through `torch.compile` with static shapes: N nodes padded to
+        the next of `node_buckets` (dummy nodes attend only to themselves and write cache slots past the
+        tree, which nothing reads), attention over the first `key_bucket`-multiple of cache slots (an
+        additive mask hides the rest). None when the step does not fit (more nodes than the largest
+        bucket, or past `compile_capacity`): the eager forward runs then."""
+        P, N = self.seq_len, ids.numel()
+        nb = next((b for b in self.node_buckets if b >= N), None)
+        nk = -(-(P + nb) // self.key_bucket) * self.key_bucket if nb else None
+        cap = min(self.compile_capacity, self.max_context)
+        if nb is None or nk > cap:
+            return None
+        self._ensure(cap)  # one allocation: a new cache shape would recompile every graph
+        dev = self.device
+        allowed = torch.zeros(nb, nk, dtype=torch.bool)
+        allowed[:N, :P] = True
+        allowed[:N, P:P + N] = mask[:, P:] if mask is not None else True  # mask None: N == 1
+        allowed[N:, P + N:P + nb] = torch.eye(nb - N, dtype=torch.bool)
+        attn_mask = torch.zeros(nb, nk, dtype=self.cache_dtype).masked_fill_(~allowed, float("-inf"))
+        slots = torch.arange(P, P + nb)
+        pad_ids = torch.cat([ids.cpu(), ids.new_zeros(nb - N).cpu()])
+        pad_pos = torch.cat([positions.cpu(), slots[N:]])
+        graph = self._graph()
+        new_shape, t0 = (nb, nk) not in graph.shapes, time.perf_counter()
+        logits, aux = graph.run(pad_ids.to(dev), pad_pos.to(dev), slots.to(dev), attn_mask[None, None].to(dev),
+                                *self._layer_caches(), nk)
+        if new_shape:  # the first call of a shape compiles it
+            self.compile_seconds += time.perf_counter() - t0
+        return TargetOutput(logits[:N], aux[:N] if want_aux else None)
+
+    def _graph(self) -> "StepGraph":
+        """The compiled step for the model's current weights (rebuilt, and recompiled, when they change)."""
+        if self._params is None:
+            self._params = list(self.model.parameters())
+        key = (self.dtype, self.device, [p.data_ptr() for p in self._params], sum(p._version for p in self._params))
+        if self._step_graph is None or self._step_graph.key != key:
+            self._step_graph = StepGraph(self, key)
+        return self._step_graph
 
     def truncate(self, n: int) -> None:
         if n > self.seq_len or self._pending:

@@ -136,14 +136,14 @@ def _embedded_dir(name: str) -> Path:
 
 
 def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype: str | torch.dtype = "auto",
-                attn_implementation: str = "sdpa", runner: str = "auto") -> Target:
+                attn_implementation: str = "sdpa", runner: str = "auto", compile: bool = False) -> Target:
     """Load the target model and tokenizer.
 
     name_or_path: "smollm2-135m" (the embedded SmolLM2-135M-Instruct) or any HF causal-LM id/path
     (Llama, Qwen2, Qwen3, Mistral families are tested through the same public forward).
     dtype: "auto" (see `choose_dtype`), "fp32", "bf16", "fp16" or a torch.dtype.
     runner: "auto" (the lean `fast_llama.FastTarget` for the Llama family, else the HF public
-    forward), "fast" or "hf".
+    forward), "fast" or "hf". compile: torch.compile the fast runner's steps (`FastTarget.compile`).
     """
     if runner not in RUNNERS:
         raise DartLabError(f"unknown runner {runner!r}: use {', '.join(RUNNERS)}")
@@ -169,6 +169,10 @@ def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype:
         raise DartLabError(f"cannot load model {name_or_path!r}: {first[:300]}") from None
     model.to(dev).eval()
     target = make_target(model, tok, name=str(name_or_path), runner=runner)
+    if compile:
+        if not isinstance(target, FastTarget):
+            raise DartLabError(f"--compile needs the fast runner (Llama family); {name_or_path!r} runs through the HF forward")
+        target.compile = True
     if dtype == "auto":
         probe = tok("The quick brown fox jumps over the lazy dog. " * 4, return_tensors="pt").input_ids[0][:48]
         torch_dtype, target.dtype_report = choose_dtype(target, probe)

@@ -84,3 +84,37 @@ def test_packed_projections_equal_the_modules_and_follow_weight_edits(arch):
     edited = run(True)
     assert not torch.allclose(edited, packed, atol=1e-3)
     torch.testing.assert_close(edited, run(False), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_steps_equal_eager_and_compile_once_per_shape():
+    """torch.compile of the steps (FastTarget.compile, static shapes): tree logits equal the eager
+    forward's (fp32), every method stays token-identical to eager AR, each (node bucket, key bucket)
+    shape compiles exactly once, and a second pass over the same work compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from test_drafters import all_drafters
+
+    target = make_target(tiny_model("qwen3"), runner="fast")  # q/k norms; head_dim != hidden / heads
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    tree = Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
+    cfg = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
+    target.prefill(prompt)
+    eager = target.verify(tree, want_aux=True)
+    ar = generate(target, prompt, None, cfg)
+    target.compile, target.node_buckets, target.key_bucket, target.compile_capacity = True, (1, 32), 64, 128
+    graphs = counters["stats"]["unique_graphs"]
+    target.prefill(prompt)
+    compiled = target.verify(tree, want_aux=True)
+    torch.testing.assert_close(compiled.logits, eager.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(compiled.aux, eager.aux, atol=1e-4, rtol=1e-4)
+    drafters = {k: v for k, v in all_drafters(target).items() if k in ("dart", "eagle3", "pld", "dart-ctx")}
+    for name, d in drafters.items():
+        assert generate(target, prompt, d, cfg).tokens == ar.tokens, name
+    shapes = set(target._step_graph.shapes)
+    assert {nb for nb, _ in shapes} == {1, 32} and {nk for _, nk in shapes} == {64, 128}
+    assert counters["stats"]["unique_graphs"] - graphs == len(shapes)  # each shape compiled once
+    warm = counters["stats"]["unique_graphs"]
+    for name, d in drafters.items():
+        generate(target, prompt, d, cfg)
+    assert target._step_graph.shapes == shapes and counters["stats"]["unique_graphs"] == warm
+    assert target.compile_seconds > 0
