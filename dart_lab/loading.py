@@ -169,16 +169,17 @@ def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype:
         raise DartLabError(f"cannot load model {name_or_path!r}: {first[:300]}") from None
     model.to(dev).eval()
     target = make_target(model, tok, name=str(name_or_path), runner=runner)
-    if compile:
-        if not isinstance(target, FastTarget):
-            raise DartLabError(f"--compile needs the fast runner (Llama family); {name_or_path!r} runs through the HF forward")
-        target.compile = True
+    if compile and not isinstance(target, FastTarget):
+        raise DartLabError(f"--compile needs the fast runner (Llama family); {name_or_path!r} runs through the HF forward")
     if dtype == "auto":
         probe = tok("The quick brown fox jumps over the lazy dog. " * 4, return_tensors="pt").input_ids[0][:48]
         torch_dtype, target.dtype_report = choose_dtype(target, probe)
     else:
         torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
     model.to(torch_dtype)
+    # after the dtype choice: its probe times eager steps (compiling there would time the compiler and
+    # build graphs for a dtype that may not be kept)
+    target.compile = compile
     return target
 
 
