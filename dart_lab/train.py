@@ -581,6 +581,10 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
                "features": "feature cache" if isinstance(features, (str, Path)) else "online (target in the loop)",
                "val_examples": len(val), "validation": last_val, "target": target.name,
                "device": str(device), "torch_threads": torch.get_num_threads(), "processes": world}
+    before = _summary_before(cfg.init_from)
+    if before:  # a continued head: what it had seen before this run, and the totals
+        summary["before"] = before
+        summary["total"] = {k: before[k] + summary[k] for k in ("tokens_seen", "steps", "wall_time_s")}
     if acc.is_main_process:
         _save_state(ckpt, cfg, raw, opt, sched, step, time.perf_counter() - t_start, tokens_seen)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -611,6 +615,18 @@ def _resume(ckpt: Path, cfg: TrainConfig, head, opt, sched, log) -> tuple[int, f
         log(f"schedule extended: max_steps {old['max_steps']} -> {cfg.max_steps}, lr now {opt.param_groups[0]['lr']:.2e}")
     log(f"resumed from step {st['step']}")
     return st["step"], st["elapsed"], st["tokens_seen"]
+
+
+def _summary_before(init_from: str) -> dict | None:
+    """Totals of the run an --init-from head came from (its training_summary.json, shipped beside it, or
+    the summary.json of its run folder): tokens seen, steps, wall time; None when there is none."""
+    if not init_from:
+        return None
+    for f in (Path(init_from) / "training_summary.json", Path(init_from).parent / "summary.json"):
+        if f.is_file():
+            s = json.loads(f.read_text())
+            return {k: s.get("total", s)[k] for k in ("tokens_seen", "steps", "wall_time_s")}
+    return None
 
 
 def _truncate_log(path: Path, step: int) -> None:
@@ -651,6 +667,10 @@ def model_card(summary: dict, head) -> str:
             f"{summary['train_examples']} training conversations ({summary['features']})\n"
             f"- tokens seen: {summary['tokens_seen']}; steps: {summary['steps']}; wall time: "
             f"{summary['wall_time_s']} s on {summary['device']} ({summary['torch_threads']} threads)\n"
+            + (f"- continued from `{c['init_from']}`, which had seen {summary['before']['tokens_seen']} tokens in "
+               f"{summary['before']['steps']} steps and {summary['before']['wall_time_s']} s; in all "
+               f"{summary['total']['tokens_seen']} tokens, {summary['total']['steps']} steps, "
+               f"{summary['total']['wall_time_s']} s\n" if summary.get("before") else "") +
             f"- final norm: {_norm_note(head)}\n"
             f"- draft vocabulary: {head.cfg.draft_vocab_size}; draft_length: {head.cfg.draft_length}; "
             f"gamma: {c['gamma']}; lr {c['lr']}; seqs/step {c['seqs_per_step']}\n"

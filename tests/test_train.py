@@ -165,7 +165,11 @@ def test_smoke_run_lowers_loss_and_resume_equals_uninterrupted(tiny_features, tm
     import dataclasses
 
     ft = dataclasses.replace(cfg, init_from=str(tmp_path / "full" / "head"), max_steps=2, lr=1e-12, warmup_steps=1)
-    train_head(target, root, tmp_path / "ft", ft, progress=False, log=lambda *a: None)
+    fts = train_head(target, root, tmp_path / "ft", ft, progress=False, log=lambda *a: None)
+    # its summary and card count what the head had seen before (the run folder's summary.json)
+    assert fts["before"] == {k: full[k] for k in ("tokens_seen", "steps", "wall_time_s")}
+    assert fts["total"]["tokens_seen"] == full["tokens_seen"] + fts["tokens_seen"] and fts["total"]["steps"] == 22
+    assert f"in all {fts['total']['tokens_seen']} tokens" in (tmp_path / "ft" / "head" / "README.md").read_text()
     c = torch.load(tmp_path / "ft" / "ckpt.pt", weights_only=False)["head"]
     for k in a:
         torch.testing.assert_close(c[k].float(), a[k].to(torch.bfloat16).float(), rtol=0, atol=1e-6, msg=k)
