@@ -59,7 +59,8 @@ if [ "${MORE_TRAIN:-0}" -gt "$NUM_TRAIN" ] && [ "${MORE_MINUTES:-0}" != 0 ]; the
       $BIN/dart-lab train "$KIND" --features "$RUNS/features" --out "$RUNS/$KIND-more" \
         --init-from "$RUNS/$KIND/head" --lr 5e-4 --max-steps "$STEPS" --time-budget "$MORE_MINUTES" --seqs-per-step 2 \
         --warmup-steps 100 --val-every 500 --val-examples 32 --decode-every 500 --save-every 100 \
-        >> "$RUNS/$KIND-more.log" 2>&1 && touch "$RUNS/$KIND-more/phase_$STEPS.done"
+        >> "$RUNS/$KIND-more.log" 2>&1  # no `&& touch`: a failed phase must stop the script (set -e)
+      touch "$RUNS/$KIND-more/phase_$STEPS.done"
     done
     touch "$RUNS/$KIND-more/done"
   done
