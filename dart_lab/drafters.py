@@ -340,18 +340,32 @@ class ContextConfig:
         trial), starting from the prior `copy_p` worth `copy_prior_weight` trials: a text that is
         being copied earns its copies a high score, a free answer stops paying for them. The rate is
         kept per length n of the matched suffix (n = 1, 2, ..., `copy_match_buckets`, longer matches
-        pooled), each starting from the request's pooled rate worth `copy_prior_weight` trials: a
-        copy found by a long match is far more often right (reproduce/copy_match_stats.py on the
-        target's greedy answers, first copy token kept: 0.15 / 0.37 / 0.62 / 0.86 for n = 1 / 2 / 3 /
-        4+ on MT-bench, 0.26 / 0.55 / 0.65 / 0.84 on copy_edit), so it earns a deeper chain and copy-only steps, a one-token
-        match a short one or a tree step. `copy_max_ngram`: the longest suffix matched (the longest
-        match picks the occurrence that agrees with the most context).
+        pooled): a copy found by a long match is far more often right (reproduce/copy_match_stats.py on
+        the target's greedy answers, first copy token kept: 0.15 / 0.37 / 0.62 / 0.86 for n = 1 / 2 / 3 /
+        4+ on MT-bench, 0.26 / 0.55 / 0.65 / 0.84 on copy_edit), so it earns a deeper chain and
+        copy-only steps, a one-token match a short one or a tree step. Each bucket starts from the
+        request's pooled rate times that bucket's reliability relative to all copies, learned over the
+        previous requests this drafter decoded (`copy_history` trials remembered; 0 = every bucket
+        starts from the pooled rate): the ratios are a property of the target, which a new request
+        should not have to learn again in its first steps. `copy_max_ngram`: the longest suffix
+        matched (the longest match picks the occurrence that agrees with the most context).
     copy_min_prob: copy nodes whose path probability p^depth is at least this come ON TOP of the
         tree budget theta (up to copy_len); the rest are dropped. Why on top: on a CPU, one more tree
         node costs ~2.5 % of a step (fast runner, 8 -> 16 nodes), a copy node at depth i earns p^i
         tokens, and theta was chosen for the head's guesses alone.
     copy_periodic: a copy from a match that ends d tokens back runs on with period d past the end of
         the text (`copy_match`): a loop of d tokens is copied copy_len deep, not d tokens deep.
+    copy_branches: in a tree step, the head's `copy_branches` most likely first tokens (other than the
+        copy's own first token) each get a copy too: the continuation that follows context + that
+        token (`copy_match`), joined under the head's node as a path scored by the search's formula
+        (the head's level-0 score, then p per copied token). Why: where the copy's first token is
+        wrong, the target often says the head's word and then goes on copying (a paraphrase that
+        re-joins the text); reproduce/copy_headroom.py bounds it: on copy_edit, tau 2.31 copying
+        alone, 3.81 with a head that is always right at the failed token and the copy that follows
+        it. Branch nodes whose path probability (head p x p^depth) is at least copy_min_prob come on
+        top of the budget, like the copy's. Off by default (0): on a 2-core CPU it measured level
+        with dart-ctx without it (copy_edit, README "Beyond the paper"); `dart-ctx-branch` turns it
+        on, for devices where tree nodes are cheap.
     copy_only: a step verifies the copy chain alone (no head forward, no search: PLD's cost) when
         that is the faster step by the runner's cost model (methods.Runner with an automatic
         budget; without one every step is a tree step):
@@ -369,8 +383,10 @@ class ContextConfig:
     copy_min_prob: float = 0.1
     copy_max_ngram: int = 8
     copy_match_buckets: int = 4
+    copy_history: int = 2048
     copy_len: int = 16
     copy_periodic: bool = True
+    copy_branches: int = 0
     copy_only: bool = True
     copy_gain_prior_steps: float = 2.0
 
@@ -404,11 +420,12 @@ class ContextDrafter(DartDrafter):
         # calibration's acceptance, where sampling's theta starts, is too optimistic at T > 0.
         self.adapts_budget = not (ctx.copy and ctx.copy_only)
         self.cost_model = None  # (verify_ms, overhead_ms, tau) from an automatic budget (set_cost_model)
+        b = max(1, ctx.copy_match_buckets)
+        self.hist_kept, self.hist_trials = np.zeros(b), np.zeros(b)  # over earlier requests (copy_history)
+        self.copy_trials = None  # per request, from begin()
 
     def begin(self, target, ids, aux):
-        b = max(1, self.ctx.copy_match_buckets)
-        self.copy_kept, self.copy_trials = np.zeros(b), np.zeros(b)  # copy tokens kept / tried, per match length
-        self._last_copy = None  # (len(ids) at the proposal, the copy chain proposed, its match bucket)
+        self.begin_copies(ids)
         self._tree_step = False  # was the last step a tree step (head + search)?
         self.copy_only_steps = 0
         self.gain_sum, self.gain_steps = 0.0, 0  # head tokens beyond the copy, over tree steps with a copy
@@ -416,22 +433,40 @@ class ContextDrafter(DartDrafter):
         self.local = LocalNGram(ids) if self.ctx.w_context > 0 else None  # grown in place each tree step
         super().begin(target, ids, aux)
 
+    def begin_copies(self, ids) -> None:
+        """A new request for the copy bookkeeping: the last one joins the history (copy_history)."""
+        self._remember()
+        b = max(1, self.ctx.copy_match_buckets)
+        self.copy_kept, self.copy_trials = np.zeros(b), np.zeros(b)  # copy tokens kept / tried, per match length
+        self._last_copies = []  # (len(ids) at the proposal, head token before it ([] or [t]), copy chain, match bucket)
+
     def observe(self, ids, aux):
-        kept = 0
-        if self._last_copy is not None:  # score the last copy against what the target produced
-            at, chain, bucket = self._last_copy
-            for c, t in zip(chain, ids[at:]):  # tokens beyond what was committed are not known: no trial
-                self.copy_trials[bucket] += 1
-                if c != t:
-                    break
-                kept += 1
-            self.copy_kept[bucket] += kept
-            self._last_copy = None
+        kept = self.score_copies(ids)
         if self._tree_step:  # what the head's nodes added on top of the copy (all of it when none)
             self.gain_sum += aux.shape[0] - 1 - kept
             self.gain_steps += 1
             self._tree_step = False
         super().observe(ids, aux)
+
+    def score_copies(self, ids) -> int:
+        """Score the last step's copies against what the target produced (the copy trials behind p);
+        returns how many tokens of the main copy were kept."""
+        kept = 0
+        for at, prefix, chain, bucket in self._last_copies:
+            if ids[at:at + len(prefix)] != prefix:  # a branch whose head token was not taken: no trial
+                continue
+            k = n = 0
+            for c, t in zip(chain, ids[at + len(prefix):]):  # tokens beyond what was committed: no trial
+                n += 1
+                if c != t:
+                    break
+                k += 1
+            self.copy_kept[bucket] += k
+            self.copy_trials[bucket] += n
+            if not prefix:
+                kept = k
+        self._last_copies = []
+        return kept
 
     def set_cost_model(self, verify_ms, overhead_ms, tau) -> None:
         self.cost_model = (verify_ms, overhead_ms, tau)
@@ -450,49 +485,90 @@ class ContextDrafter(DartDrafter):
         tree_speed = (e_copy + g) / (interpolate(verify_ms, theta + L + 1) + overhead_ms)
         return copy_speed > tree_speed
 
+    def _remember(self) -> None:
+        """Fold the request just decoded into the drafter's history (ContextConfig.copy_history),
+        forgetting the oldest trials proportionally beyond that many."""
+        if self.ctx.copy_history <= 0 or getattr(self, "copy_trials", None) is None:
+            return
+        self.hist_kept += self.copy_kept
+        self.hist_trials += self.copy_trials
+        total = self.hist_trials.sum()
+        if total > self.ctx.copy_history:
+            keep = self.ctx.copy_history / total
+            self.hist_kept *= keep
+            self.hist_trials *= keep
+
     def copy_prob(self, match_len: int | None = None) -> float:
         """p: the estimated chance that the target keeps the next copy token of a copy found by a
         suffix match of `match_len` tokens (None: pooled over all matches) (ContextConfig)."""
         c = self.ctx
         w = c.copy_prior_weight
-        pooled = (w * c.copy_p + self.copy_kept.sum()) / (w + self.copy_trials.sum())
+        hist = (w * c.copy_p + self.hist_kept.sum()) / (w + self.hist_trials.sum())  # earlier requests, pooled
+        pooled = (w * hist + self.copy_kept.sum()) / (w + self.copy_trials.sum())
         if match_len is None or self.copy_kept.size == 1:
             return float(pooled)
         b = self._bucket(match_len)
-        return float((w * pooled + self.copy_kept[b]) / (w + self.copy_trials[b]))
+        rel = (w * hist + self.hist_kept[b]) / (w + self.hist_trials[b]) / hist  # the bucket's reliability
+        prior = min(pooled * rel, 0.99)
+        return float((w * prior + self.copy_kept[b]) / (w + self.copy_trials[b]))
 
     def _bucket(self, match_len: int) -> int:
         return min(max(match_len, 1), self.copy_kept.size) - 1
 
-    def _copy_chain(self, ids: list[int]) -> tuple[list[int], int, np.float32]:
-        """The copy continuation and its p, cut where the path probability p^depth falls below
-        copy_min_prob; ([], 0, p) without one."""
+    def _copy_chain(self, ids: list[int], head_p: float = 1.0) -> tuple[list[int], int, np.float32]:
+        """The copy continuation of `ids` and its p, cut where the path probability head_p x p^depth
+        falls below copy_min_prob; ([], 0, p) without one."""
         c = self.ctx
         chain, n = copy_match(ids, c.copy_max_ngram, c.copy_len, c.copy_periodic) if c.copy else ([], 0)
         p = np.float32(self.copy_prob(n if chain else None))  # fixed for the step
-        return (chain[:int(np.sum(p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob))] if chain else []), n, p
+        keep = int(np.sum(head_p * p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob)) if chain else 0
+        return chain[:keep], n, p
 
-    def _copy_path(self, ids: list[int], ngram, chain: list[int], p: np.float32) -> list[tuple[list[int], np.ndarray]]:
-        """The copy chain as a scored candidate path (ContextConfig.copy)."""
+    def _copy_path(self, ids: list[int], ngram, chain: list[int], p: np.float32,
+                   head: tuple[int, np.float32] | None = None) -> list[tuple[list[int], np.ndarray]]:
+        """The copy chain as a scored candidate path (ContextConfig.copy); with head = (token, its
+        level-0 search score), the path [token] + chain (ContextConfig.copy_branches)."""
         cfg = self.search
         if not chain:
             return []
         f32 = np.float32
-        lvl = np.arange(len(chain))
+        path = ([head[0]] if head else []) + chain
+        lvl = np.arange(len(path))
         inc = np.log(p + f32(cfg.eps)) * (cfg.logit_decay ** lvl).astype(f32)
-        if ngram is not None and cfg.w_ngram and len(chain) > 1:
-            full = ids + chain
+        if head:
+            inc[0] = head[1]  # level 0 carries w_level = 1 and no n-gram term (search.py)
+        if ngram is not None and cfg.w_ngram and len(path) > 1:
+            full = ids + path
             L = len(ids)
-            rows = np.array([[full[L + i - 2], full[L + i - 1]] for i in range(1, len(chain))], dtype=np.int64)
-            q = ngram.prob(rows, np.asarray(chain[1:], dtype=np.int64)[:, None])[:, 0].astype(f32)
+            rows = np.array([[full[L + i - 2], full[L + i - 1]] for i in range(1, len(path))], dtype=np.int64)
+            q = ngram.prob(rows, np.asarray(path[1:], dtype=np.int64)[:, None])[:, 0].astype(f32)
             inc[1:] += np.log(q + f32(cfg.eps)) * f32(cfg.w_ngram)
         score = np.cumsum(((lvl + 1.0) ** -cfg.level_exponent).astype(f32) * inc, dtype=np.float32)
-        return [(chain, score)]
+        return [(path, score)]
+
+    def _branch_paths(self, ids: list[int], ngram, logp: np.ndarray, toks: np.ndarray, skip: int | None):
+        """ContextConfig.copy_branches: the head's most likely first tokens (not `skip`), each followed
+        by its own copy. Returns (scored paths, copy nodes they add)."""
+        paths, extra = [], 0
+        for j in range(toks.shape[1]):
+            if len(paths) == self.ctx.copy_branches:
+                break
+            t = int(toks[0, j])
+            if t == skip or t in self.eos:
+                continue
+            head_p = float(np.exp(logp[0, j]))
+            chain, n, p = self._copy_chain(ids + [t], head_p)
+            if not chain:
+                continue
+            self._last_copies.append((len(ids), [t], chain, self._bucket(n)))
+            paths += self._copy_path(ids, ngram, chain, p, head=(t, logp[0, j]))
+            extra += len(chain)
+        return paths, extra
 
     def propose(self, ids):
         t0 = time.perf_counter()
         chain, n, p = self._copy_chain(ids)
-        self._last_copy = (len(ids), chain, self._bucket(n)) if chain else None
+        self._last_copies = [(len(ids), [], chain, self._bucket(n))] if chain else []
         if chain and self._copy_only_pays(len(chain), p):
             self._tree_step = False
             self.copy_only_steps += 1
@@ -507,9 +583,13 @@ class ContextDrafter(DartDrafter):
             self.local.sync(ids)
             ngram = MixedNGram(self.ngram, self.local, self.ctx.w_context if self.ngram is not None else 1.0)
         paths = self._copy_path(ids, ngram, chain, p)
+        extra = len(chain)
+        if self.ctx.copy and self.ctx.copy_branches:
+            more, n_more = self._branch_paths(ids, ngram, logp, toks, chain[0] if chain else None)
+            paths, extra = paths + more, extra + n_more
         search = self.search
         if paths and search.max_nodes:  # copy nodes come on top of the budget (ContextConfig)
-            search = dataclasses.replace(search, max_nodes=search.max_nodes + len(paths[0][0]))
+            search = dataclasses.replace(search, max_nodes=search.max_nodes + extra)
         tree = tree_search_with_paths(logp, toks, ids, ngram, search, self.eos, paths)
         self.last_timing = {"draft_ms": (t1 - t0) * 1e3, "search_ms": (time.perf_counter() - t1) * 1e3}
         self.overhead_sum += self.last_timing["draft_ms"] + self.last_timing["search_ms"]

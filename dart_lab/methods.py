@@ -379,6 +379,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dart-ctx-pooled", "dart-ctx ablation: one copy probability for every match length, matches up to 3 "
            "tokens (the previous rule)", _dart_ctx("dart-ctx-pooled", copy_match_buckets=1, copy_max_ngram=3),
            budgeted=True),
+    Method("dart-ctx-branch", "dart-ctx + a copy under each of the head's 2 likeliest first tokens (copy_branches=2)",
+           _dart_ctx("dart-ctx-branch", copy_branches=2), budgeted=True),
     Method("dart-ctx-aperiodic", "dart-ctx ablation: copies stop at the end of the text (no periodic run-on)",
            _dart_ctx("dart-ctx-aperiodic", copy_periodic=False), budgeted=True),
     Method("pld", "prompt lookup decoding", lambda t, o, c: PLDDrafter(o.pld_max_ngram, o.pld_num_pred)),

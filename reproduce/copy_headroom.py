@@ -72,6 +72,15 @@ def policies(alt_len: int):
             "head oracle": oracle(False), "branch oracle": oracle(True)}
 
 
+def greedy_answers(target, ar, dataset: str, num_prompts: int, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the target's greedy answer) for the first `num_prompts` prompts of `dataset`."""
+    answers = []
+    for p in load_prompts(dataset, num_prompts):
+        ids = target.encode_prompt(p["prompt"])
+        answers.append((ids.tolist(), ar.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).tokens))
+    return answers
+
+
 def replay(answers, policy) -> float:
     steps = toks = 0
     for ctx, out in answers:
@@ -97,11 +106,7 @@ def main() -> None:
     res = {"command": "python reproduce/copy_headroom.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"), "tau": {}}
     for ds in args.datasets.split(","):
-        answers = []
-        for p in load_prompts(ds, args.num_prompts):
-            ids = target.encode_prompt(p["prompt"])
-            out = ar.generate(ids, GenerationConfig(max_new_tokens=args.max_new_tokens)).tokens
-            answers.append((ids.tolist(), out))
+        answers = greedy_answers(target, ar, ds, args.num_prompts, args.max_new_tokens)
         res["tau"][ds] = {name: round(replay(answers, f), 3) for name, f in policies(args.alt_len).items()}
         print(ds, res["tau"][ds])
     Path(args.out).write_text(json.dumps(res, indent=1))

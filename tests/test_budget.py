@@ -200,3 +200,21 @@ def test_dart_ctx_adapts_sampling_theta_only():
     res = r.generate(prompt, GenerationConfig(max_new_tokens=16, temperature=1.0, stop_on_eos=False))
     tree_steps = [s for s in res.steps if "path_ranks" in s]
     assert tree_steps and len(r._observed_sampled) == len(tree_steps)
+
+
+def test_cost_curve_keeps_the_fastest_of_its_first_measurements(tmp_path, monkeypatch):
+    """A curve measured in a slow moment does not stick: the cached curve is measured again at its next
+    loads until `cost_measurements` readings were merged (per-size minimum), then served as cached."""
+    from dart_lab import budget
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    cfg = BudgetConfig(sizes=(1, 2, 4), repeats=1, cost_measurements=3)
+    readings = iter([{1: 9.0, 2: 30.0, 4: 40.0}, {1: 10.0, 2: 11.0, 4: 50.0}, {1: 12.0, 2: 12.0, 4: 13.0}])
+    monkeypatch.setattr(budget, "measure_verify", lambda *a, **k: next(readings))
+    first = budget.cost_curve(target, cfg)
+    assert first["verify_ms"] == {1: 9.0, 2: 30.0, 4: 40.0} and first["measurements"] == 1 and not first["cached"]
+    assert budget.cost_curve(target, cfg)["verify_ms"] == {1: 9.0, 2: 11.0, 4: 40.0}
+    third = budget.cost_curve(target, cfg)
+    assert third["verify_ms"] == {1: 9.0, 2: 11.0, 4: 13.0} and third["measurements"] == 3
+    served = budget.cost_curve(target, cfg)  # no fourth reading is taken (the iterator is empty)
+    assert served["cached"] and served["verify_ms"] == third["verify_ms"]

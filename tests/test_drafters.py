@@ -34,6 +34,8 @@ def all_drafters(target):
         "dart-ctx-no-corpus": ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=20)),
         "dart-ctx-pooled": ContextDrafter(random_head(target, "dart"), tiny_ngram(target), TreeSearchConfig(max_nodes=20),
                                           ContextConfig(copy_match_buckets=1, copy_max_ngram=3)),
+        "dart-ctx-branch": ContextDrafter(random_head(target, "dart"), tiny_ngram(target), TreeSearchConfig(max_nodes=20),
+                                          ContextConfig(copy_branches=2)),
         "sps": SPSDrafter(tiny_model("llama", seed=7), draft_len=3),
     }
 
@@ -325,7 +327,8 @@ def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
     ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
     assert copy_chain(ids, 3, 10) == [13, 14, 15, 16, 40, 41, 10, 11, 12]
     out = target.prefill(torch.tensor(ids[:-1]), want_aux=True)
-    d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16), ContextConfig(w_context=0.0))
+    d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16),
+                       ContextConfig(w_context=0.0, copy_branches=0))
     d.begin(target, ids, out.aux)
     tree = d.propose(ids)
 
@@ -353,6 +356,51 @@ def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
     assert d.copy_prob(7) == pytest.approx((4 * 5 / 8 + 0) / (4 + 1))
     assert d.copy_prob(3) == pytest.approx((4 * 5 / 8 + 3) / (4 + 3))
     assert d.copy_prob(1) == pytest.approx(5 / 8)  # no one-token match seen yet: the pooled rate
+
+
+def test_branch_copies_follow_the_heads_first_tokens_and_learn_only_when_taken():
+    """copy_branches: under each of the head's likeliest first tokens (not the copy's own) goes the copy
+    that follows context + that token, scored from the head's level-0 score and cut by head p x p^depth;
+    its tokens are copy trials only when the target took the head's token."""
+    target = tiny_target("llama")
+    ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
+    out = target.prefill(torch.tensor(ids[:-1]), want_aux=True)
+    d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16),
+                       ContextConfig(w_context=0.0, copy_branches=2))
+    d.begin(target, ids, out.aux)
+    toks = np.array([[13, 99, 15, 11, 40]])  # 13: the copy's own first token; 99 never occurs
+    logp = np.log(np.array([[0.35, 0.25, 0.3, 0.25, 0.2]], dtype=np.float32))
+    paths, extra = d._branch_paths(ids, None, logp, toks, skip=13)
+    # prior p = 0.5: head p 0.3 (0.25) keeps one copy node (0.15 >= 0.1 > 0.075); two branches at most
+    assert [p for p, _ in paths] == [[15, 16], [11, 12]] and extra == 2
+    (_, s15), _ = paths
+    assert s15[0] == logp[0, 2] and s15[1] < s15[0]  # the head's own level-0 score, then the copy's
+    # the target took 15 and kept the copy's 16; the branch under 11 was not taken: no trial
+    d.observe(ids + [15, 16, 41], out.aux[-3:])
+    assert d.copy_kept.tolist() == [1, 0, 0, 0] and d.copy_trials.tolist() == [1, 0, 0, 0]
+    d1 = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16),
+                        ContextConfig(w_context=0.0, copy_branches=1))
+    d1.begin(target, ids, out.aux)
+    assert [p for p, _ in d1._branch_paths(ids, None, logp, toks, skip=13)[0]] == [[15, 16]]
+
+
+def test_copy_match_reliability_is_learned_across_requests():
+    """copy_history: a new request starts each match-length bucket from the earlier requests' pooled
+    rate times that bucket's relative reliability (ContextConfig)."""
+    target = tiny_target("llama")
+    ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
+    out = target.prefill(torch.tensor(ids[:-1]), want_aux=True)
+    for history, p1, p8 in ((2048, None, None), (0, 0.5, 0.5)):
+        d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16),
+                           ContextConfig(w_context=0.0, copy_history=history))
+        d.begin(target, ids, out.aux)
+        d.copy_kept[:], d.copy_trials[:] = [2, 0, 0, 9], [10, 0, 0, 10]  # one-token matches poor, long ones good
+        d.begin(target, ids, out.aux)  # the next request
+        h = (4 * 0.5 + 11) / (4 + 20)
+        if history:
+            p1, p8 = (4 * h + 2) / 14, (4 * h + 9) / 14
+        assert d.copy_prob() == pytest.approx(h if history else 0.5)
+        assert d.copy_prob(1) == pytest.approx(p1) and d.copy_prob(8) == pytest.approx(p8)
 
 
 def test_copy_only_steps_skip_the_head_stay_lossless_and_the_head_catches_up():
