@@ -23,6 +23,7 @@ tests/test_fast_runner.py checks logits, aux states and compaction against it on
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -59,9 +60,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN-packed linears: CPU, fp32 or bf16, a torch built with oneDNN."""
+    """oneDNN-packed linears: CPU, fp32 or bf16 (where this CPU can pack it), a torch built with oneDNN."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _packs_here(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _packs_here(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a `dtype` weight on this CPU, tried once on a tiny one: bf16 needs AVX-512
+    (bw/vl/dq) or AVX-NE-CONVERT, and an AVX2-only CPU raises (seen on an AMD EPYC VM: every bf16
+    forward of the fast runner failed there); without packing the runner uses plain F.linear."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+        return True
+    except RuntimeError:
+        return False
 
 
 class PackedLinear:
