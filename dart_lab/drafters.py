@@ -488,7 +488,7 @@ class ContextDrafter(DartDrafter):
     def _remember(self) -> None:
         """Fold the request just decoded into the drafter's history (ContextConfig.copy_history),
         forgetting the oldest trials proportionally beyond that many."""
-        if self.ctx.copy_history <= 0 or getattr(self, "copy_trials", None) is None:
+        if self.ctx.copy_history <= 0 or self.copy_trials is None:  # no request decoded yet
             return
         self.hist_kept += self.copy_kept
         self.hist_trials += self.copy_trials

@@ -22,20 +22,12 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
-from copy_headroom import copy_alternatives, greedy_answers  # reproduce/ (the script's folder)
+from copy_headroom import copy_alternatives, greedy_answers, kept  # reproduce/ (the script's folder)
 
 from dart_lab.budget import cost_curve, interpolate
-from dart_lab.drafters import ContextConfig, ContextDrafter, copy_chain
+from dart_lab.drafters import ContextConfig, ContextDrafter, copy_chain, copy_match
 from dart_lab.loading import load_target
 from dart_lab.methods import make_runner, random_head
-
-
-def kept(chain, out, j) -> int:
-    a = 0
-    while a < len(chain) and j + a < len(out) and chain[a] == out[j + a]:
-        a += 1
-    return a
 
 
 def replay(answers, propose, curve, extra=None) -> dict:
@@ -49,7 +41,7 @@ def replay(answers, propose, curve, extra=None) -> dict:
             ids = ctx + out[:j]
             chains = [propose(ids, None)]
             chains += extra(ids, chains[0]) if extra else []
-            a = max(kept(c, out, j) for c in chains)
+            a = max(kept(c, out[j:]) for c in chains)
             j += a + 1
             steps, toks, ms = steps + 1, toks + a + 1, ms + interpolate(curve, 1 + sum(map(len, chains)))
     return {"tau": round(toks / steps, 3), "speed_vs_ar": round(toks / ms * interpolate(curve, 1), 3)}
@@ -61,19 +53,7 @@ def other_occurrence(ids, chain, length=2):
 
 def skip_one(ids, chain, length=2, max_ngram=4):
     """The text's continuation one token past the best match of the suffix before the last token."""
-    a = np.asarray(ids)
-    if a.size < 3:
-        return []
-    best = None
-    for e in np.flatnonzero(a[:-2] == a[-2])[::-1]:
-        n = 1
-        while n < max_ngram and e - n >= 0 and a[e - n] == a[a.size - 2 - n]:
-            n += 1
-        if best is None or n > best[0]:
-            best = (n, e)
-    if best is None:
-        return []
-    c = a[best[1] + 2:best[1] + 2 + length].tolist()
+    c = copy_match(ids[:-1], max_ngram, length + 1)[0][1:]
     return [c] if c and (not chain or c[0] != chain[0]) else []
 
 
@@ -107,11 +87,11 @@ def main() -> None:
         "dtype": str(target.dtype), "verify_ms": curve, "datasets": {}}
     for ds in args.datasets.split(","):
         answers = greedy_answers(target, ar, ds, args.num_prompts, args.max_new_tokens)
+        hist = ContextConfig().copy_history
         rules = {"pld": lambda ids, new: [] if new is not None else copy_chain(ids, 3, 10),
                  "copies, per request": context_rule(target, 0),
-                 "copies, with history": context_rule(target, ContextConfig().copy_history)}
+                 "copies, with history": context_rule(target, hist)}
         res["datasets"][ds] = {name: replay(answers, rule, curve) for name, rule in rules.items()}
-        hist = ContextConfig().copy_history
         for name, extra in (("+ other occurrence", other_occurrence), ("+ skip one", skip_one)):
             res["datasets"][ds][name] = replay(answers, context_rule(target, hist), curve, extra)
         print(ds, res["datasets"][ds], flush=True)
