@@ -374,7 +374,9 @@ class ContextConfig:
         g = the head's measured tokens beyond the copy's in this request's tree steps (prior:
         tau(theta) - 1 worth `copy_gain_prior_steps` steps); draft + search = this request's mean
         over its tree steps (prior: the runner's calibration figure, worth one step).
-        The head catches up on the skipped positions at its next forward (HeadDrafter.observe)."""
+        The head catches up on the skipped positions at its next forward (HeadDrafter.observe).
+        When no tree beats AR at all (the budget's fallback), `CopyOrAR` prices the copy against a
+        one-token step instead."""
 
     w_context: float = 0.5
     copy: bool = True
@@ -470,6 +472,11 @@ class ContextDrafter(DartDrafter):
 
     def set_cost_model(self, verify_ms, overhead_ms, tau) -> None:
         self.cost_model = (verify_ms, overhead_ms, tau)
+
+    def without_tree(self, verify_ms):
+        """No tree beats AR (the automatic budget fell back; seen at T=1 on a CPU where nodes are dear):
+        dart-ctx still verifies a copy where it beats a one-token step (`CopyOrAR`)."""
+        return CopyOrAR(self, verify_ms) if self.ctx.copy else None
 
     def _copy_only_pays(self, L: int, p: float) -> bool:
         """ContextConfig.copy_only: is verifying the copy chain alone the faster step?"""
@@ -598,3 +605,40 @@ class ContextDrafter(DartDrafter):
 
     def config(self) -> dict:
         return {**super().config(), "context": dataclasses.asdict(self.ctx)}
+
+
+class CopyOrAR(Drafter):
+    """dart-ctx when the automatic budget finds no tree that beats AR: no head forward, no search; each
+    step verifies the copy chain alone when that is faster than a one-token step by the cost curve,
+        E_copy = 1 + sum_{i<=L} p^i tokens in verify(L + 1) ms  >  1 token in verify(1) ms,
+    else the root alone (an AR step). Before, such a request ran as plain AR and dropped the copies
+    that pay even where the head does not. The copy bookkeeping (p per match length, the history) is
+    the ContextDrafter's, and a copy not proposed is scored too (one trial: the token the AR step
+    produced), so p keeps following the text and copies come back when it starts repeating."""
+
+    def __init__(self, drafter: ContextDrafter, verify_ms: dict[int, float]):
+        super().__init__()
+        self.drafter, self.verify_ms = drafter, verify_ms
+        self.name = drafter.name
+
+    def begin(self, target, ids, aux):
+        self.drafter.begin_copies(ids)
+        self.copy_only_steps = 0
+
+    def propose(self, ids):
+        t0 = time.perf_counter()
+        d = self.drafter
+        chain, n, p = d._copy_chain(ids)
+        d._last_copies = [(len(ids), [], chain, d._bucket(n))] if chain else []
+        e_copy = 1.0 + float(np.sum(p ** np.arange(1, len(chain) + 1)))
+        pays = bool(chain) and e_copy / interpolate(self.verify_ms, len(chain) + 1) > 1.0 / interpolate(self.verify_ms, 1)
+        self.copy_only_steps += pays
+        self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0,
+                            **({"copy_only": True} if pays else {})}
+        return Tree.from_paths(ids[-1], [chain]) if pays else Tree.single(ids[-1])
+
+    def observe(self, ids, aux):
+        self.drafter.score_copies(ids)
+
+    def config(self) -> dict:
+        return {**self.drafter.config(), "without_tree": "copy or AR"}

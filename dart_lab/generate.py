@@ -57,6 +57,11 @@ class Drafter:
         """The automatic budget's measurements (methods.Runner), for drafters that decide per step:
         verify ms by tree size, drafting + search ms per step, tau(theta) of the drafter's trees."""
 
+    def without_tree(self, verify_ms: dict[int, float]) -> "Drafter | None":
+        """What runs when the automatic budget finds that no tree beats AR (methods.Runner): None =
+        plain AR steps; a drafter that can draft without its head may return a drafter doing that."""
+        return None
+
     def config(self) -> dict:
         return {"name": self.name}
 

@@ -185,7 +185,8 @@ def _weights_digest(drafter) -> str:
 class Runner:
     """A decoding method bound to a target: `generate(ids, cfg) -> GenerationResult`.
     With an automatic tree budget (`budget.py`) it calibrates once when built, drafts with the chosen
-    theta (plain AR steps when no theta beats AR), and re-chooses theta after every generation from
+    theta (when no theta beats AR: plain AR steps, or what the drafter can do without a tree,
+    `Drafter.without_tree`), and re-chooses theta after every generation from
     the acceptance it observed (steps at budget b inform every theta <= b)."""
 
     def __init__(self, name: str, target, drafter: Drafter | None = None, hf: bool = False,
@@ -326,7 +327,8 @@ class Runner:
                 self._apply(self.budget_sampled if sampled else self.budget)
             budget = self.budget_sampled if sampled else self.budget
         fallback = budget is not None and budget["fallback_to_ar"]
-        res = generate(self.target, prompt_ids, None if fallback else self.drafter, cfg)
+        drafter = self.drafter.without_tree(self.cost["verify_ms"]) if fallback else self.drafter
+        res = generate(self.target, prompt_ids, drafter, cfg)
         res.method = self.name
         if budget is not None:
             refreshed = self._follow_machine(res)

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_target
 from dart_lab import GenerationConfig, generate, greedy_accept
 from dart_lab.budget import BudgetConfig, acceptance_profile, choose_budget, interpolate, overhead_at
-from dart_lab.drafters import ContextDrafter, Eagle3Drafter, Eagle3TreeConfig
+from dart_lab.drafters import ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig
 from dart_lab.methods import MethodOptions, Runner, make_runner, random_head
 from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
 
@@ -200,6 +200,25 @@ def test_dart_ctx_adapts_sampling_theta_only():
     res = r.generate(prompt, GenerationConfig(max_new_tokens=16, temperature=1.0, stop_on_eos=False))
     tree_steps = [s for s in res.steps if "path_ranks" in s]
     assert tree_steps and len(r._observed_sampled) == len(tree_steps)
+
+
+def test_ar_fallback_runs_what_the_drafter_does_without_a_tree():
+    """When no theta beats AR, dart runs plain AR steps and dart-ctx its copies where they pay
+    (drafters.CopyOrAR): no head forward, lossless."""
+    target = tiny_target("llama")
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 5, 9, 14, 5, 9])
+    ar = generate(target, prompt, None, cfg)
+    for r, copies in ((Runner("dart-ctx", target, ContextDrafter(random_head(target, "dart"), None), auto_budget=True), True),
+                      (Runner("dart", target, DartDrafter(random_head(target, "dart"), None, TreeSearchConfig(w_ngram=0.0)),
+                              auto_budget=True), False)):
+        r.cost = {**r.cost, "verify_ms": {1: 10.0, 64: 10.0}}  # flat: any copy beats a one-token step
+        r.budget = {**r.budget, "theta": 0, "fallback_to_ar": True}
+        res = r.generate(prompt, cfg)
+        assert res.tokens == ar.tokens
+        assert not any("path_ranks" in s for s in res.steps)  # no tree step: the head never ran
+        assert any(s.get("copy_only") for s in res.steps) == copies
+        assert res.config["tree_budget"]["fallback_to_ar"]
 
 
 def test_cost_curve_keeps_the_fastest_of_its_first_measurements(tmp_path, monkeypatch):

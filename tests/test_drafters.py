@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from conftest import tiny_model, tiny_target
 from dart_lab import DartLabError, GenerationConfig, generate
 from dart_lab.draft_head import DartHead, Eagle3Head, HeadConfig
-from dart_lab.drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
+from dart_lab.drafters import (ContextConfig, ContextDrafter, CopyOrAR, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
                               SPSDrafter, copy_chain, copy_match)
 from dart_lab.methods import MethodOptions, make_drafter, random_head
 from dart_lab.ngram import NGram
@@ -437,6 +437,30 @@ def test_copy_only_is_chosen_by_expected_speed():
     assert not d._copy_only_pays(2, 0.25)
     d.set_cost_model(curve, 50.0, tau)  # the same unlikely copy when drafting is very slow
     assert d._copy_only_pays(2, 0.25)
+
+
+def test_without_a_tree_dart_ctx_copies_only_where_a_copy_beats_a_one_token_step():
+    """The budget's AR fallback: dart-ctx verifies its copy chain alone when E_copy / verify(L + 1) beats
+    1 / verify(1), else a one-token step; lossless; its copy trials go on (also for copies not proposed)."""
+    target = tiny_target("qwen3")
+    cfg = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 5, 9, 14, 5, 9, 22])
+    ar = generate(target, prompt, None, cfg)
+    d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=8), ContextConfig(w_context=0.0))
+    for curve, copies in (({1: 10.0, 64: 10.0}, True), ({1: 10.0, 64: 640.0}, False)):  # flat / one token per 10 ms
+        fb = d.without_tree(curve)
+        assert isinstance(fb, CopyOrAR) and not fb.needs_aux
+        res = generate(target, prompt, fb, cfg)
+        assert res.tokens == ar.tokens
+        copy_steps = [s for s in res.steps if s.get("copy_only")]
+        assert len(copy_steps) == fb.copy_only_steps and (len(copy_steps) > 0) == copies
+        assert all(s["tree_size"] > 1 for s in copy_steps) and all(s["tree_size"] == 1 for s in res.steps if not s.get("copy_only"))
+        if not copies:  # no copy proposed, yet every step that had one scored its first token
+            assert 0 < d.copy_trials.sum() <= len(res.steps)
+    sampled = generate(target, prompt, d.without_tree({1: 10.0, 64: 10.0}), GenerationConfig(max_new_tokens=40, temperature=1.0))
+    assert len(sampled.tokens) > 0
+    assert ContextDrafter(random_head(target, "dart"), None, ctx=ContextConfig(copy=False)).without_tree({1: 1.0}) is None
+    assert DartDrafter(random_head(target, "dart")).without_tree({1: 1.0}) is None  # dart: plain AR steps
 
 
 @pytest.mark.parametrize("kind", ["dart", "eagle3"])
