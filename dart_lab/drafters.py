@@ -150,6 +150,12 @@ def copy_chain(ids: list[int], max_ngram: int, length: int) -> list[int]:
     return copy_match(ids, max_ngram, length)[0]
 
 
+def expected_copy_tokens(p: float, L: int) -> float:
+    """Tokens a step verifying a copy chain of L tokens alone emits on average, each copy token kept
+    with probability p given its predecessors: 1 (the bonus) + p + p^2 + ... + p^L."""
+    return 1.0 + float(np.sum(p ** np.arange(1, L + 1)))
+
+
 class PLDDrafter(Drafter):
     """Prompt lookup decoding (Saxena 2023): find the most recent earlier occurrence of the last
     n tokens (n = max_ngram..1) and propose the `num_pred` tokens that followed it, as a chain."""
@@ -487,7 +493,7 @@ class ContextDrafter(DartDrafter):
         w = self.ctx.copy_gain_prior_steps
         g = (w * (tau[min(theta, len(tau) - 1)] - 1.0) + self.gain_sum) / (w + self.gain_steps)
         overhead_ms = (overhead_ms + self.overhead_sum) / (1 + self.overhead_steps)
-        e_copy = 1.0 + float(np.sum(p ** np.arange(1, L + 1)))
+        e_copy = expected_copy_tokens(p, L)
         copy_speed = e_copy / interpolate(verify_ms, L + 1)
         tree_speed = (e_copy + g) / (interpolate(verify_ms, theta + L + 1) + overhead_ms)
         return copy_speed > tree_speed
@@ -530,6 +536,13 @@ class ContextDrafter(DartDrafter):
         p = np.float32(self.copy_prob(n if chain else None))  # fixed for the step
         keep = int(np.sum(head_p * p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob)) if chain else 0
         return chain[:keep], n, p
+
+    def _offer_copy(self, ids: list[int]) -> tuple[list[int], np.float32]:
+        """This step's copy chain and its p (`_copy_chain`), recorded so that `score_copies` scores it
+        against what the target produces, whether or not the step verifies it."""
+        chain, n, p = self._copy_chain(ids)
+        self._last_copies = [(len(ids), [], chain, self._bucket(n))] if chain else []
+        return chain, p
 
     def _copy_path(self, ids: list[int], ngram, chain: list[int], p: np.float32,
                    head: tuple[int, np.float32] | None = None) -> list[tuple[list[int], np.ndarray]]:
@@ -574,8 +587,7 @@ class ContextDrafter(DartDrafter):
 
     def propose(self, ids):
         t0 = time.perf_counter()
-        chain, n, p = self._copy_chain(ids)
-        self._last_copies = [(len(ids), [], chain, self._bucket(n))] if chain else []
+        chain, p = self._offer_copy(ids)
         if chain and self._copy_only_pays(len(chain), p):
             self._tree_step = False
             self.copy_only_steps += 1
@@ -619,6 +631,7 @@ class CopyOrAR(Drafter):
     def __init__(self, drafter: ContextDrafter, verify_ms: dict[int, float]):
         super().__init__()
         self.drafter, self.verify_ms = drafter, verify_ms
+        self.ar_speed = 1.0 / interpolate(verify_ms, 1)  # tokens per ms of a one-token step
         self.name = drafter.name
 
     def begin(self, target, ids, aux):
@@ -627,11 +640,9 @@ class CopyOrAR(Drafter):
 
     def propose(self, ids):
         t0 = time.perf_counter()
-        d = self.drafter
-        chain, n, p = d._copy_chain(ids)
-        d._last_copies = [(len(ids), [], chain, d._bucket(n))] if chain else []
-        e_copy = 1.0 + float(np.sum(p ** np.arange(1, len(chain) + 1)))
-        pays = bool(chain) and e_copy / interpolate(self.verify_ms, len(chain) + 1) > 1.0 / interpolate(self.verify_ms, 1)
+        chain, p = self.drafter._offer_copy(ids)
+        L = len(chain)
+        pays = L > 0 and expected_copy_tokens(p, L) / interpolate(self.verify_ms, L + 1) > self.ar_speed
         self.copy_only_steps += pays
         self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0,
                             **({"copy_only": True} if pays else {})}
