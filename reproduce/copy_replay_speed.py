@@ -12,6 +12,10 @@ tokens per verify-ms x verify(1). No head, no search and no prefill: it isolates
   + other occurrence      and a 2-token copy from the best earlier occurrence with another first token
   + skip one              and a 2-token copy that assumes the last token replaced one of the text's
                           (match the suffix before it, continue one token further on)
+  copies, substituting    the copy rule with the request's learned one-token substitutions (a copy
+                          token A the answer replaced by B, the copy going on right after): the suffix
+                          is matched with B read as A and the chain written with A as B -- for "rewrite
+                          with clearer names", if the target renamed consistently
 The extra copies form a small tree with the first (the best of them counts; every node is paid for).
 The rules run on the library's own code (`drafters.copy_match`, `ContextDrafter`'s copy bookkeeping).
     python reproduce/copy_replay_speed.py --datasets copy_edit,mt_bench --num-prompts 10
@@ -72,6 +76,42 @@ def context_rule(target, history: int):
     return propose
 
 
+def substituting_rule(target, history: int):
+    """`context_rule` with one-token substitutions learned from this request (see the module docstring):
+    A -> B once the answer put B where a copy proposed A and then went on with the copy's next token."""
+    d = ContextDrafter(random_head(target, "dart"), None, ctx=ContextConfig(copy_history=history))
+    st = {"subst": {}, "last": None, "pending": []}
+
+    def propose(ids, new_request):
+        if new_request is not None:
+            d.begin_copies(new_request)
+            st.update(subst={}, last=None, pending=[])
+            return []
+        subst = st["subst"]
+        if st["last"]:  # the first mismatch of the last copy: a candidate A -> B, confirmed by the next token
+            at, src, written = st["last"]
+            for i, (c, t) in enumerate(zip(written, ids[at:])):
+                if c != t:
+                    if i + 1 < len(src):
+                        st["pending"].append((at + i, src[i], t, src[i + 1]))
+                    break
+        waiting = []
+        for pos, a, b, nxt in st["pending"]:
+            if len(ids) <= pos + 1:
+                waiting.append((pos, a, b, nxt))
+            elif ids[pos + 1] == nxt and a != b and b not in subst.values():
+                subst[a] = b
+        st["pending"] = waiting
+        d.score_copies(ids)
+        back = {b: a for a, b in subst.items()}
+        chain, n, _ = d._copy_chain([back.get(x, x) for x in ids])
+        written = [subst.get(x, x) for x in chain]
+        d._last_copies = [(len(ids), [], written, d._bucket(n))] if written else []
+        st["last"] = (len(ids), chain, written) if chain else None
+        return written
+    return propose
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", default="copy_edit,mt_bench")
@@ -90,7 +130,8 @@ def main() -> None:
         hist = ContextConfig().copy_history
         rules = {"pld": lambda ids, new: [] if new is not None else copy_chain(ids, 3, 10),
                  "copies, per request": context_rule(target, 0),
-                 "copies, with history": context_rule(target, hist)}
+                 "copies, with history": context_rule(target, hist),
+                 "copies, substituting": substituting_rule(target, hist)}
         res["datasets"][ds] = {name: replay(answers, rule, curve) for name, rule in rules.items()}
         for name, extra in (("+ other occurrence", other_occurrence), ("+ skip one", skip_one)):
             res["datasets"][ds][name] = replay(answers, context_rule(target, hist), curve, extra)
