@@ -26,7 +26,8 @@ def test_presets_are_complete():
 
 def test_paper_preset_path_with_local_stand_ins(embedded, tmp_path):
     """Official-layout DART + EAGLE-3 checkpoints and an official .trie, all local and tiny, through
-    the same run_cells/table code the paper presets use."""
+    the same run_cells/table code the paper presets use, with the paper's tree budget (the automatic
+    one's calibration, ~100 s of decoding here on a 2-core AVX2 CPU, is tested in test_budget.py)."""
     H, V = embedded.hidden_size, embedded.vocab_size
     write_official_checkpoint(tmp_path / "dart", H=H, V=V, Vd=64, heads=9, kv=3, inter=256, draft_length=3)
     write_official_checkpoint(tmp_path / "e3", H=H, V=V, Vd=64, heads=9, kv=3, inter=256, eagle=True)
@@ -37,7 +38,7 @@ def test_paper_preset_path_with_local_stand_ins(embedded, tmp_path):
                  eagle3_head=str(tmp_path / "e3"), ngram=str(tmp_path / "tiny.trie"),
                  datasets=(f"jsonl:{tmp_path / 'q.jsonl'}",), paper_model="qwen3-4b", dtype="fp32")
     res = rp.run_cells(pre, pre.datasets, ["ar", "dart", "eagle3"], 1, 8, [0.0], tmp_path / "out", target=embedded,
-                       progress=False)
+                       progress=False, tree_nodes="paper")
     t1 = rp.table1(res, rp.paper_tables(), pre.paper_model)
     dart = next(r for r in t1 if r["method"] == "dart")
     paper_row = next(r for r in rp.paper_tables()["table1_speedup"]
@@ -46,7 +47,7 @@ def test_paper_preset_path_with_local_stand_ins(embedded, tmp_path):
     assert dart["paper_mean_tau"] == paper_row["mean_tau"]
     # cached: a second call loads the stored cell instead of recomputing
     again = rp.run_cells(pre, pre.datasets, ["ar", "dart", "eagle3"], 1, 8, [0.0], tmp_path / "out", target=None,
-                         progress=False)
+                         progress=False, tree_nodes="paper")
     assert again[0]["per_prompt"] == res[0]["per_prompt"]
 
 
