@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dart_lab.budget import cost_curve, interpolate
+from dart_lab.budget import acceptance_profile, cost_curve, interpolate
 from dart_lab.data import load_prompts
 from dart_lab.generate import GenerationConfig, generate
 from dart_lab.loading import load_target
@@ -96,8 +96,8 @@ def analyse(data, curve, overhead, cap) -> None:
     ar = 1.0 / ver[0]
     for ds, recs in data.items():
         c = calibrate([r for d, rs in data.items() if d != ds for r in rs] or recs)
-        fixed = [sum(1 + sum(1 for x in r["acc"] if x < th) for r in recs) / (len(recs) * (ver[th] + paid[th])) / ar
-                 for th in range(cap + 1)]
+        tau = acceptance_profile([{"path_ranks": r["acc"]} for r in recs], cap)  # tau(theta), theta = 0..cap
+        fixed = [tau[th] / (ver[th] + paid[th]) / ar for th in range(cap + 1)]
         best_th = int(np.argmax(fixed))
         tok = ms = 0.0
         ks = []
