@@ -4,7 +4,8 @@
     AR speed              = 1 / t_verify(1)
 
 t_verify(N) is measured once per target, device, dtype, runner and machine (`cost_curve`, cached on
-disk with that fingerprint). tau(theta) -- tokens per step with a tree of theta drafted nodes -- comes
+disk with that fingerprint), after a short and a long committed context; a request prices its trees
+at its own context length (`curve_at`: the attention over the cache makes every node dearer there). tau(theta) -- tokens per step with a tree of theta drafted nodes -- comes
 from ONE decode at the widest budget: both tree builders take nodes in rank order (`tree.best_closed_tree`),
 so the tree of any smaller budget is exactly the nodes of rank < theta, and at T=0 the path it
 would have accepted is the prefix of the accepted path whose ranks are < theta
@@ -40,6 +41,9 @@ class BudgetConfig:
     sizes: tuple = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verify sizes measured (nodes incl. the root)
     repeats: int = 7  # timed verifies per size (median)
     prompt_len: int = 128  # committed context during the timing
+    long_prompt_len: int = 1024  # the curve is timed again after this many tokens: attention grows with the
+    # context, per node (measured here, bf16 2-core EPYC: 16 nodes 34 ms after 128 tokens, 54 ms after 1,200;
+    # one node 25 vs 30 ms), so a tree priced at 128 tokens is too big for a long prompt (`curve_at`)
     max_nodes: int = 63  # widest tree probed in the calibration decode (drafted nodes)
     small_nodes: int = 4  # a second, small budget decoded in the calibration: drafting + search cost
     # depends on theta (DART: fewer MASK positions, a smaller beam; measured here 3.0-3.5 ms at theta
@@ -131,29 +135,52 @@ def monotone(curve: dict[int, float]) -> dict[int, float]:
 
 
 def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -> dict:
-    """{"fingerprint", "verify_ms": {N: ms}} for this target and machine, measured and cached; made
-    non-decreasing (`monotone`). A cached curve is measured again at each load until
+    """{"fingerprint", "verify_ms": {N: ms} after cfg.prompt_len committed tokens,
+    "context_ms_per_token": {N: ms} the growth per committed token beyond that (from a second timing
+    after cfg.long_prompt_len tokens; `curve_at`)} for this target and machine, measured and cached;
+    both made non-decreasing in N (`monotone`). A cached curve is measured again at each load until
     `cfg.cost_measurements` measurements are merged, keeping each size's fastest reading (the host's
     slow moments only ever add time)."""
     fp = fingerprint(target)
-    key = hashlib.sha256(json.dumps([fp, [cfg.sizes, cfg.repeats, cfg.prompt_len]], sort_keys=True).encode()).hexdigest()[:16]
+    # the long timing must fit the target's context (a small test model's may be 512 tokens)
+    lens = {"short": cfg.prompt_len, "long": max(min(cfg.long_prompt_len, target.max_context - max(cfg.sizes) - 1),
+                                                 cfg.prompt_len)}
+    key = hashlib.sha256(json.dumps([fp, [cfg.sizes, cfg.repeats, cfg.prompt_len, lens["long"]]],
+                                    sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "cost" / f"{key}.json"
     saved, count = None, 0
     if cache and path.is_file():
         try:
             d = json.loads(path.read_text())
-            saved, count = {int(k): float(v) for k, v in d["raw_verify_ms"].items()}, int(d["measurements"])
-        except (OSError, ValueError, KeyError, TypeError):
+            saved = {c: {int(k): float(v) for k, v in d["raw_verify_ms"][c].items()} for c in lens}
+            count = int(d["measurements"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             saved, count = None, 0
-        if saved is not None and count >= cfg.cost_measurements:
-            return {"fingerprint": fp, "verify_ms": monotone(saved), "measurements": count, "cached": True}
-    raw = measure_verify(target, cfg.sizes, cfg.repeats, cfg.prompt_len)
-    if saved is not None and set(saved) == set(raw):
-        raw = {n: min(raw[n], saved[n]) for n in raw}
-    count += 1
-    if cache:
-        write_json(path, {"fingerprint": fp, "raw_verify_ms": raw, "measurements": count})
-    return {"fingerprint": fp, "verify_ms": monotone(raw), "measurements": count, "cached": False}
+    if saved is None or count < cfg.cost_measurements:
+        raw = {c: measure_verify(target, cfg.sizes, cfg.repeats, n) for c, n in lens.items()}
+        if saved is not None and all(set(saved[c]) == set(raw[c]) for c in lens):
+            raw = {c: {n: min(raw[c][n], saved[c][n]) for n in raw[c]} for c in lens}
+        saved, count, fresh = raw, count + 1, True
+        if cache:
+            write_json(path, {"fingerprint": fp, "raw_verify_ms": raw, "prompt_lens": lens, "measurements": count})
+    else:
+        fresh = False
+    short = monotone(saved["short"])
+    long = monotone({n: max(v, short[n]) for n, v in saved["long"].items()})
+    per_token = monotone({n: (long[n] - short[n]) / max(lens["long"] - lens["short"], 1) for n in short})
+    return {"fingerprint": fp, "verify_ms": short, "context_ms_per_token": per_token,
+            "prompt_len": cfg.prompt_len, "measurements": count, "cached": not fresh}
+
+
+def curve_at(cost: dict, context: int) -> dict[int, float]:
+    """The verify curve {N: ms} after `context` committed tokens: the short-context curve plus each
+    size's growth per token beyond its context (linear: attention reads every cached key once per node;
+    none below it). A cost dict without the growth (made by hand) is its own curve at any context."""
+    per_token = cost.get("context_ms_per_token")
+    extra = max(context - cost.get("prompt_len", 0), 0)
+    if not per_token or not extra:
+        return cost["verify_ms"]
+    return {n: ms + per_token.get(n, 0.0) * extra for n, ms in cost["verify_ms"].items()}
 
 
 def interpolate(curve: dict[int, float], n: int) -> float:

@@ -19,8 +19,8 @@ import torch
 
 from .assets import cache_dir, resolve_hub
 from .atomic import write_json
-from .budget import (CALIBRATION_PROMPTS, BudgetConfig, calibration_key, choose_budget, cost_curve, interpolate,
-                     overhead_at)
+from .budget import (CALIBRATION_PROMPTS, BudgetConfig, calibration_key, choose_budget, cost_curve, curve_at,
+                     interpolate, overhead_at)
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
 from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
@@ -184,8 +184,8 @@ def _weights_digest(drafter) -> str:
 
 class Runner:
     """A decoding method bound to a target: `generate(ids, cfg) -> GenerationResult`.
-    With an automatic tree budget (`budget.py`) it calibrates once when built, drafts with the chosen
-    theta (when no theta beats AR: plain AR steps, or what the drafter can do without a tree,
+    With an automatic tree budget (`budget.py`) it calibrates once when built, drafts with the theta
+    chosen for each request's context length (`_for_context`; when no theta beats AR: plain AR steps, or what the drafter can do without a tree,
     `Drafter.without_tree`), and re-chooses theta after every generation from
     the acceptance it observed (steps at budget b inform every theta <= b)."""
 
@@ -228,7 +228,7 @@ class Runner:
             write_json(path, {"observed": self._observed, "overhead_obs": self._overhead_obs})
         self._choose()
 
-    def _follow_machine(self, res: GenerationResult) -> bool:
+    def _follow_machine(self, res: GenerationResult, curve: dict[int, float]) -> bool:
         """Keep the cost curve true to the machine as it is now. When the verify steps just decoded took
         `refresh_ratio` x longer (or shorter) than the curve predicts for their tree sizes (median over
         steps) in `refresh_streak` generations in a row, the curve is measured again (not cached) and
@@ -239,7 +239,7 @@ class Runner:
         obs = [(s["tree_size"], s["verify_ms"]) for s in res.steps if "tree_size" in s]
         if len(obs) < cfg.refresh_min_steps:
             return False
-        ratio = statistics.median(ms / interpolate(self.cost["verify_ms"], n) for n, ms in obs)
+        ratio = statistics.median(ms / interpolate(curve, n) for n, ms in obs)  # curve: the request's context
         side = 1 if ratio > cfg.refresh_ratio else -1 if ratio < 1 / cfg.refresh_ratio else 0
         # count generations off the curve on the same side in a row (signed); a good one or a flip restarts
         self._off_streak = self._off_streak + side if side and self._off_streak * side > 0 else side
@@ -308,30 +308,39 @@ class Runner:
             self.budget = budget
         self._apply(budget)
 
-    def _apply(self, budget: dict) -> None:
-        """Put `budget`'s theta (and the cost model behind it) on the drafter."""
+    def _apply(self, budget: dict, curve: dict[int, float] | None = None) -> None:
+        """Put `budget`'s theta (and the cost model behind it, `curve`: verify ms by tree size) on the drafter."""
         theta = budget["theta"]
         if theta:
             self.drafter.set_budget(theta)
-            self.drafter.set_cost_model(self.cost["verify_ms"], self.overhead_ms(theta), budget["tau_by_theta"])
+            self.drafter.set_cost_model(curve or self.cost["verify_ms"], self.overhead_ms(theta), budget["tau_by_theta"])
+
+    def _for_context(self, budget: dict, curve: dict[int, float]) -> dict:
+        """`budget` re-chosen for one request: the same tau(theta), each tree priced by the verify curve at
+        the request's context length (`budget.curve_at`; a long prompt makes every node dearer)."""
+        if curve is self.cost["verify_ms"]:
+            return budget
+        return {**budget, **choose_budget(budget["tau_by_theta"], curve, self.overhead_ms)}
 
     def generate(self, prompt_ids, cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
         if self.hf:
             return hf_generate(self.target, prompt_ids, cfg, prompt_lookup_num_tokens=self.hf_lookup)
         sampled = not cfg.greedy
-        budget = self.budget
-        if budget is not None:  # sampling has its own theta, from its own acceptance
+        budget = curve = None
+        if self.budget is not None:  # sampling has its own theta, from its own acceptance
             if sampled and self.budget_sampled is None:
-                self._choose(sampled=True)  # chooses and applies
-            else:
-                self._apply(self.budget_sampled if sampled else self.budget)
-            budget = self.budget_sampled if sampled else self.budget
+                self._choose(sampled=True)
+            # every tree priced at this request's mean committed context (prompt + half the answer)
+            context = len(prompt_ids) + cfg.max_new_tokens // 2
+            curve = curve_at(self.cost, context)
+            budget = {**self._for_context(self.budget_sampled if sampled else self.budget, curve), "context": context}
+            self._apply(budget, curve)
         fallback = budget is not None and budget["fallback_to_ar"]
-        drafter = self.drafter.without_tree(self.cost["verify_ms"]) if fallback else self.drafter
+        drafter = self.drafter.without_tree(curve) if fallback else self.drafter
         res = generate(self.target, prompt_ids, drafter, cfg)
         res.method = self.name
         if budget is not None:
-            refreshed = self._follow_machine(res)
+            refreshed = self._follow_machine(res, curve)
             if not fallback:
                 self._observe(res, budget["theta"], sampled,
                               ranks=self.drafter.adapts_budget_sampled if sampled else self.drafter.adapts_budget)
@@ -339,7 +348,7 @@ class Runner:
                 self._choose()
             if refreshed or not fallback:
                 self._choose(sampled)
-            res.config["tree_budget"] = {k: budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar")}
+            res.config["tree_budget"] = {k: budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar", "context")}
         return res
 
     def config(self) -> dict:

@@ -227,9 +227,16 @@ def test_cost_curve_keeps_the_fastest_of_its_first_measurements(tmp_path, monkey
     from dart_lab import budget
     monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
     target = tiny_target("llama")
-    cfg = BudgetConfig(sizes=(1, 2, 4), repeats=1, cost_measurements=3)
+    cfg = BudgetConfig(sizes=(1, 2, 4), repeats=1, cost_measurements=3, prompt_len=100, long_prompt_len=1100)
     readings = iter([{1: 9.0, 2: 30.0, 4: 40.0}, {1: 10.0, 2: 11.0, 4: 50.0}, {1: 12.0, 2: 12.0, 4: 13.0}])
-    monkeypatch.setattr(budget, "measure_verify", lambda *a, **k: next(readings))
+    last = {}
+
+    def measure(target, sizes, repeats, prompt_len):  # the short context, then the long one (capped by the tiny
+        if prompt_len == 100:  # target's context): 1 ms more per node every 1,000 tokens
+            last.update(next(readings))
+            return dict(last)
+        return {n: ms + n * (prompt_len - 100) / 1000 for n, ms in last.items()}
+    monkeypatch.setattr(budget, "measure_verify", measure)
     first = budget.cost_curve(target, cfg)
     assert first["verify_ms"] == {1: 9.0, 2: 30.0, 4: 40.0} and first["measurements"] == 1 and not first["cached"]
     assert budget.cost_curve(target, cfg)["verify_ms"] == {1: 9.0, 2: 11.0, 4: 40.0}
@@ -237,3 +244,26 @@ def test_cost_curve_keeps_the_fastest_of_its_first_measurements(tmp_path, monkey
     assert third["verify_ms"] == {1: 9.0, 2: 11.0, 4: 13.0} and third["measurements"] == 3
     served = budget.cost_curve(target, cfg)  # no fourth reading is taken (the iterator is empty)
     assert served["cached"] and served["verify_ms"] == third["verify_ms"]
+    # the growth per committed token is each size's own (long - short) / 1,000 tokens, from the merged readings
+    assert served["context_ms_per_token"] == pytest.approx({1: 0.001, 2: 0.002, 4: 0.004})
+
+
+def test_trees_are_priced_at_the_request_context():
+    """A long prompt makes every node dearer (attention over the cache): the verify curve at a request's
+    context (`curve_at`) grows by each size's per-token cost, and the runner re-chooses theta from it --
+    a smaller tree for a long prompt, the same tau(theta)."""
+    from dart_lab.budget import curve_at
+    cost = {"verify_ms": {1: 10.0, 8: 12.0, 32: 16.0}, "context_ms_per_token": {1: 0.0, 8: 0.04, 32: 0.16},
+            "prompt_len": 128}
+    assert curve_at(cost, 100) == cost["verify_ms"]
+    assert curve_at(cost, 378) == {1: 10.0, 8: 22.0, 32: 56.0}
+    r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
+    r.cost = {**r.cost, **cost}
+    r._overhead_obs = {63: [1.0, 1]}
+    r._observed = [(64, list(range(k))) for k in range(1, 31)]  # rank j accepted in (30 - j) of 30 steps
+    r._choose()
+    short, long = r.budget["theta"], r._for_context(r.budget, curve_at(cost, 378))["theta"]
+    assert 1 <= long < short
+    prompt = torch.randint(3, 90, (370,), generator=torch.Generator().manual_seed(0))
+    res = r.generate(prompt, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
+    assert res.config["tree_budget"]["context"] == 378 and res.config["tree_budget"]["theta"] == long
