@@ -5,9 +5,10 @@
 
 t_verify(N) is measured once per target, device, dtype, runner and machine (`cost_curve`, cached on
 disk with that fingerprint), after a short and a long committed context; a request prices its trees
-at its own context length (`curve_at`: the attention over the cache makes every node dearer there). tau(theta) -- tokens per step with a tree of theta drafted nodes -- comes
-from ONE decode at the widest budget: both tree builders take nodes in rank order (`tree.best_closed_tree`),
-so the tree of any smaller budget is exactly the nodes of rank < theta, and at T=0 the path it
+at its own context length (`curve_at`: the attention over the cache makes every node dearer there).
+tau(theta) -- tokens per step with a tree of theta drafted nodes -- comes from ONE decode at the widest
+budget: both tree builders take nodes in rank order (`tree.best_closed_tree`), so the tree of any
+smaller budget is exactly the nodes of rank < theta, and at T=0 the path it
 would have accepted is the prefix of the accepted path whose ranks are < theta
 (`acceptance_profile`). The runner takes the theta with the best expected speed, or plain AR steps
 when no theta beats AR (and says so), and keeps updating tau from the steps it decodes.
@@ -42,8 +43,9 @@ class BudgetConfig:
     repeats: int = 7  # timed verifies per size (median)
     prompt_len: int = 128  # committed context during the timing
     long_prompt_len: int = 1024  # the curve is timed again after this many tokens: attention grows with the
-    # context, per node (measured here, bf16 2-core EPYC: 16 nodes 34 ms after 128 tokens, 54 ms after 1,200;
-    # one node 25 vs 30 ms), so a tree priced at 128 tokens is too big for a long prompt (`curve_at`)
+    # context, per node (reproduce/verify_latency.py, bf16 2-core EPYC: 16 / 32 nodes 32 / 42 ms after 128
+    # tokens, 43 / 71 ms after 1,200; one node 25 ms at both), so a tree priced at 128 tokens is too big for
+    # a long prompt (`curve_at`)
     max_nodes: int = 63  # widest tree probed in the calibration decode (drafted nodes)
     small_nodes: int = 4  # a second, small budget decoded in the calibration: drafting + search cost
     # depends on theta (DART: fewer MASK positions, a smaller beam; measured here 3.0-3.5 ms at theta

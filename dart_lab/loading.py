@@ -98,7 +98,8 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
     for dt in order:
         if dt not in best:
             continue
-        report["float32_verify_ms" if dt == torch.float32 else f"{dt}_verify_ms"] = {n: round(v, 2) for n, v in best[dt].items()}
+        name = "float32" if dt == torch.float32 else str(dt)  # the fp32 key as before
+        report[f"{name}_verify_ms"] = {n: round(v, 2) for n, v in best[dt].items()}
         if dt == torch.float32:
             continue
         speed = base / max(sum(best[dt].values()), 1e-9)

@@ -185,9 +185,9 @@ def _weights_digest(drafter) -> str:
 class Runner:
     """A decoding method bound to a target: `generate(ids, cfg) -> GenerationResult`.
     With an automatic tree budget (`budget.py`) it calibrates once when built, drafts with the theta
-    chosen for each request's context length (`_for_context`; when no theta beats AR: plain AR steps, or what the drafter can do without a tree,
-    `Drafter.without_tree`), and re-chooses theta after every generation from
-    the acceptance it observed (steps at budget b inform every theta <= b)."""
+    chosen for each request's context length (`_for_context`; when no theta beats AR: plain AR steps,
+    or what the drafter can do without a tree, `Drafter.without_tree`), and re-chooses theta after every
+    generation from the acceptance it observed (steps at budget b inform every theta <= b)."""
 
     def __init__(self, name: str, target, drafter: Drafter | None = None, hf: bool = False,
                  hf_lookup: int | None = None, auto_budget: bool = False):
@@ -313,7 +313,8 @@ class Runner:
         theta = budget["theta"]
         if theta:
             self.drafter.set_budget(theta)
-            self.drafter.set_cost_model(curve or self.cost["verify_ms"], self.overhead_ms(theta), budget["tau_by_theta"])
+            self.drafter.set_cost_model(curve or self.cost["verify_ms"], self.overhead_ms(theta),
+                                        budget["tau_by_theta"])
 
     def _for_context(self, budget: dict, curve: dict[int, float]) -> dict:
         """`budget` re-chosen for one request: the same tau(theta), each tree priced by the verify curve at
@@ -348,7 +349,8 @@ class Runner:
                 self._choose()
             if refreshed or not fallback:
                 self._choose(sampled)
-            res.config["tree_budget"] = {k: budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar", "context")}
+            res.config["tree_budget"] = {k: budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar",
+                                                                "context")}
         return res
 
     def config(self) -> dict:

@@ -1,6 +1,7 @@
-"""Target verify latency vs tree size, per dtype, on this machine (the cost side of speculation).
+"""Target verify latency vs tree size, per dtype and committed context, on this machine (the cost side of
+speculation; a node's attention reads every cached token, so the curve steepens with the context).
 
-    .venv/bin/python reproduce/verify_latency.py [--dtypes fp32,bf16] [--repeats 7]
+    .venv/bin/python reproduce/verify_latency.py [--dtypes fp32,bf16] [--repeats 7] [--contexts 128,600,1200]
 """
 import argparse
 import json
@@ -13,13 +14,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--contexts", default="128", help="committed tokens before the timed verify, comma-separated")
     ap.add_argument("--model", default="smollm2-135m")
     args = ap.parse_args()
     out = {}
     for dt in args.dtypes.split(","):
         t = load_target(args.model, dtype=dt)
-        out[dt] = {n: round(ms, 1) for n, ms in verify_latency(t, (1, 2, 4, 8, 16, 32, 48, 64), args.repeats).items()}
-        print(json.dumps({dt: out[dt]}), flush=True)
+        for ctx in map(int, args.contexts.split(",")):
+            out[f"{dt}@{ctx}"] = {n: round(ms, 1) for n, ms in
+                                  verify_latency(t, (1, 2, 4, 8, 16, 32, 48, 64), args.repeats, ctx).items()}
+            print(json.dumps({f"{dt}@{ctx}": out[f"{dt}@{ctx}"]}), flush=True)
 
 
 if __name__ == "__main__":
