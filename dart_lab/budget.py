@@ -63,6 +63,10 @@ class BudgetConfig:
     overhead_memory: int = 512  # steps a per-theta mean of drafting + search time remembers (it follows the machine)
     sampled_min_steps: int = 128  # sampled steps covering a rank before its sampled acceptance rate is used (fewer: one
     # short answer decided it, and a pessimistic rate can send sampling to AR fallback, which then sees no drafts)
+    fallback_probe_every: int = 4  # while a runner is in AR fallback, every this many generations one decodes with
+    # the best tree anyway (when the drafter learns theta in that mode): a fallback drafts no tree, so without a
+    # probe no evidence could bring theta back (seen at T=1: dart-ctx on Alpaca fell back after two prompts and
+    # stayed, tau 1.08, where dart at theta 4-5 kept 1.01x AR)
 
 
 def calibration_key(cfg: BudgetConfig) -> dict:

@@ -196,6 +196,7 @@ class Runner:
         self.budget_sampled: dict | None = None
         self._observed_sampled: list = []
         self._off_streak = 0  # consecutive generations whose verify times disagreed with the curve (signed)
+        self._fallback_runs = {False: 0, True: 0}  # generations in AR fallback, per mode (sampled or not)
         if auto_budget and drafter is not None:
             self._calibrate()
 
@@ -323,6 +324,21 @@ class Runner:
             return budget
         return {**budget, **choose_budget(budget["tau_by_theta"], curve, self.overhead_ms)}
 
+    def _learns(self, sampled: bool) -> bool:
+        """Does this drafter's theta follow the acceptance it observes in this mode (`Drafter.adapts_budget`)?"""
+        return self.drafter.adapts_budget_sampled if sampled else self.drafter.adapts_budget
+
+    def _probe(self, budget: dict, sampled: bool) -> dict:
+        """In AR fallback, every `fallback_probe_every`-th generation decodes with the best tree anyway
+        (the theta of the highest expected speed): a fallback drafts no tree, so only a probe's steps can
+        show that trees pay again (BudgetConfig.fallback_probe_every)."""
+        self._fallback_runs[sampled] += 1
+        if self._fallback_runs[sampled] % BudgetConfig().fallback_probe_every:
+            return budget
+        speed = budget["expected_speedup_by_theta"]
+        theta = max(range(1, len(speed)), key=lambda th: (speed[th], -th))
+        return {**budget, "theta": theta, "fallback_to_ar": False, "probe": True}
+
     def generate(self, prompt_ids, cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
         if self.hf:
             return hf_generate(self.target, prompt_ids, cfg, prompt_lookup_num_tokens=self.hf_lookup)
@@ -335,6 +351,8 @@ class Runner:
             context = len(prompt_ids) + cfg.max_new_tokens // 2
             curve = curve_at(self.cost, context)
             budget = {**self._for_context(self.budget_sampled if sampled else self.budget, curve), "context": context}
+            if budget["fallback_to_ar"] and self._learns(sampled):
+                budget = self._probe(budget, sampled)
             self._apply(budget, curve)
         fallback = budget is not None and budget["fallback_to_ar"]
         drafter = self.drafter.without_tree(curve) if fallback else self.drafter
@@ -343,14 +361,13 @@ class Runner:
         if budget is not None:
             refreshed = self._follow_machine(res, curve)
             if not fallback:
-                self._observe(res, budget["theta"], sampled,
-                              ranks=self.drafter.adapts_budget_sampled if sampled else self.drafter.adapts_budget)
+                self._observe(res, budget["theta"], sampled, ranks=self._learns(sampled))
             if refreshed:  # a new cost curve: both thetas again
                 self._choose()
             if refreshed or not fallback:
                 self._choose(sampled)
             res.config["tree_budget"] = {k: budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar",
-                                                                "context")}
+                                                                "context") + (("probe",) if "probe" in budget else ())}
         return res
 
     def config(self) -> dict:

@@ -267,3 +267,27 @@ def test_trees_are_priced_at_the_request_context():
     prompt = torch.randint(3, 90, (370,), generator=torch.Generator().manual_seed(0))
     res = r.generate(prompt, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
     assert res.config["tree_budget"]["context"] == 378 and res.config["tree_budget"]["theta"] == long
+
+
+def test_ar_fallback_probes_a_tree_every_few_generations():
+    """A runner in AR fallback drafts no tree, so no evidence could bring theta back: every
+    `fallback_probe_every`-th generation decodes with the best tree anyway and its steps are observed
+    (lossless like any step); the others stay plain AR steps."""
+    target = tiny_target("llama")
+    r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
+    r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 100.0, 64: 1000.0}}  # no tree can beat a one-token step
+    r._overhead_obs = {63: [1.0, 1]}
+    r._observed_sampled = [(16, [])] * 130  # sampled drafts never accepted
+    r._choose(sampled=True)
+    assert r.budget_sampled["fallback_to_ar"]
+    prompt, every = torch.tensor([5, 9, 14, 5, 9, 22, 31]), BudgetConfig().fallback_probe_every
+    cfg = GenerationConfig(max_new_tokens=12, temperature=1.0, stop_on_eos=False, seed=0)
+    trees = []
+    for _ in range(2 * every):
+        seen = len(r._observed_sampled)
+        res = r.generate(prompt, cfg)
+        tree_steps = [s for s in res.steps if "path_ranks" in s]
+        trees.append(bool(tree_steps))
+        assert len(r._observed_sampled) == seen + len(tree_steps)
+        assert res.config["tree_budget"].get("probe", False) == bool(tree_steps)
+    assert trees == ([False] * (every - 1) + [True]) * 2
