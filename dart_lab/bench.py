@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from tqdm.auto import tqdm
@@ -173,6 +174,24 @@ def fastest_pass(rows: list[dict]) -> list[dict]:
         if k not in best or r["total_s"] < best[k]["total_s"]:
             best[k] = r
     return list(best.values())
+
+
+def ratio_interval(rows: list[dict], a: str, bs: list[str], n: int = 4000, seed: int = 0) -> tuple[float, float] | None:
+    """95 % bootstrap interval of tokens/s of `a` over the faster of `bs`, resampling the prompts (paired:
+    a drawn prompt brings every method's row, counted as the aggregate is, by its fastest pass). At T=1
+    each method samples its own text, so a 10-prompt cell moves by several per cent between runs; the
+    interval says which gaps the run can tell apart. rows: a result's `per_prompt`; None with < 2 prompts."""
+    rows = fastest_pass(rows)
+    by = {m: {r["prompt_id"]: r for r in rows if r["method"] == m} for m in [a] + bs}
+    ids = sorted(set.intersection(*(set(v) for v in by.values())))
+    if len(ids) < 2:
+        return None
+    tok = np.array([[by[m][i]["new_tokens"] for i in ids] for m in by], dtype=float)  # (methods, prompts)
+    sec = np.array([[by[m][i]["total_s"] for i in ids] for m in by])
+    draw = np.random.default_rng(seed).integers(0, len(ids), (n, len(ids)))
+    speed = tok[:, draw].sum(-1) / sec[:, draw].sum(-1)  # (methods, n)
+    lo, hi = np.percentile(speed[0] / speed[1:].max(0), [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 def aggregate(rows: list[dict], methods, greedy: bool) -> dict:

@@ -8,6 +8,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from dart_lab.bench import ratio_interval
+
 PAPER = ["mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca"]
 SHORT = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "code_alpaca": "CodeAlpaca",
          "alpaca": "Alpaca", "copy_edit": "copy_edit"}
@@ -41,8 +43,9 @@ def table(runs: dict, methods: list[str]) -> list[str]:
     return lines
 
 
-def ratio(runs: dict, a: str, b, label: str) -> str:
-    """tokens/s of a over b (b: a method or a list: the faster of them per dataset)."""
+def ratio(runs: dict, a: str, b, label: str, interval: bool = False) -> str:
+    """tokens/s of a over b (b: a method or a list: the faster of them per dataset); interval: each
+    dataset's 95 % bootstrap interval over prompts (`bench.ratio_interval`) in brackets."""
     cells, vals = [], []
     for d in [d for d in PAPER + ["copy_edit"] if d in runs]:
         m = runs[d]["methods"]
@@ -51,7 +54,8 @@ def ratio(runs: dict, a: str, b, label: str) -> str:
             cells.append("-")
             continue
         v = m[a]["tokens_per_s"] / max(m[x]["tokens_per_s"] for x in bs)
-        cells.append(f"{SHORT[d]} {v:.2f}")
+        ci = ratio_interval(runs[d]["per_prompt"], a, bs) if interval else None
+        cells.append(f"{SHORT[d]} {v:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
         if d in PAPER:
             vals.append(v)
     if all(c == "-" for c in cells):
@@ -85,7 +89,8 @@ def main():
         print()
         for line in (ratio(runs, "dart", "hf", "dart over HF generate"), ratio(runs, "ar", "hf", "our AR over HF generate"),
                      ratio(runs, "dart", "eagle3", "dart over eagle3"),
-                     ratio(runs, "dart-ctx", ["dart", "pld"], "dart-ctx over the faster of dart and pld")):
+                     ratio(runs, "dart-ctx", ["dart", "pld"], "dart-ctx over the faster of dart and pld "
+                           "[95 % bootstrap interval over prompts]", interval=True)):
             if line:
                 print(line)
         if any("methods_first_pass" in run for run in runs.values()):

@@ -1,12 +1,13 @@
 """Bench: JSON schema, resume after interruption, bad input."""
 import json
+import random
 import subprocess
 import sys
 
 import pytest
 
 from dart_lab import DartLabError
-from dart_lab.bench import BenchConfig, run_bench
+from dart_lab.bench import BenchConfig, fastest_pass, ratio_interval, run_bench
 from dart_lab.data import load_prompts
 from dart_lab.methods import MethodOptions, Runner
 
@@ -72,6 +73,31 @@ def test_bench_repeats_count_the_fastest_pass(embedded, tmp_path):
         BenchConfig(repeats=2, temperature=1.0)
     with pytest.raises(DartLabError, match="repeats must be >= 1"):
         BenchConfig(repeats=0)
+
+
+def test_ratio_interval_resamples_prompts_paired():
+    """The bootstrap interval of a speedup ratio: exact when every prompt has the same ratio, around the
+    point estimate otherwise, narrower with more prompts, counting each (prompt, method) by its fastest pass."""
+    def rows(n, noise, seed=0):
+        g = random.Random(seed)
+        out = []
+        for i in range(n):
+            base = g.uniform(1.0, 3.0)
+            for m, t in (("a", base / 1.25 * (1 + noise * g.uniform(-1, 1))), ("b", base), ("c", base * 1.1)):
+                out.append({"prompt_id": f"p{i}", "method": m, "new_tokens": 100, "total_s": t, "repeat": 0})
+                out.append({"prompt_id": f"p{i}", "method": m, "new_tokens": 100, "total_s": t * (9 if m == "a" else 1), "repeat": 1})
+        return out
+    lo, hi = ratio_interval(rows(12, 0.0), "a", ["b", "c"])  # c is slower: the faster of b, c is b
+    assert lo == pytest.approx(1.25) and hi == pytest.approx(1.25)  # the slow second passes do not count
+    noisy = rows(12, 0.3)
+    best = fastest_pass(noisy)
+    speed = {m: sum(r["new_tokens"] for r in best if r["method"] == m) / sum(r["total_s"] for r in best if r["method"] == m)
+             for m in "ab"}
+    lo, hi = ratio_interval(noisy, "a", ["b"])
+    assert lo < speed["a"] / speed["b"] < hi and hi - lo > 0.05
+    lo_many, hi_many = ratio_interval(rows(200, 0.3, seed=1), "a", ["b"])
+    assert hi_many - lo_many < (hi - lo) / 2
+    assert ratio_interval(rows(1, 0.3), "a", ["b"]) is None
 
 
 def test_datasets_load():
