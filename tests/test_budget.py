@@ -162,14 +162,22 @@ def test_sampling_gets_its_own_theta_from_its_own_acceptance():
     r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
     r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
     r._overhead_obs = {63: [1.0, 1]}
-    r._observed = [(16, list(range(8)))] * 50  # greedy: ranks 0-7 always accepted
+    # greedy: ranks 0-7 always accepted, ranks 16 and 17 in the steps that drafted them
+    r._observed = [(16, list(range(8)))] * 50 + [(24, list(range(8)) + [16, 17])] * 50
     r._observed_sampled = [(16, [0])] * 130  # sampling: rank 0 always accepted, nothing deeper
     r._choose()
     r._choose(sampled=True)
     assert r.budget["tau_by_theta"][8] == 9.0 and r.budget_sampled["tau_by_theta"][8] == 2.0
     assert r.budget["theta"] >= 8 and r.budget_sampled["theta"] < r.budget["theta"]
-    # ranks 16+ were never covered by sampled steps: their terms come from greedy (0 here)
-    assert r.budget_sampled["tau_by_theta"][20] == 2.0
+    # ranks 16+ were never covered by sampled steps: their greedy rates (1 each for ranks 16, 17) scaled by
+    # what the covered ranks 0-15 showed (1 accepted per step where greedy accepted 8)
+    assert r.budget["tau_by_theta"][18] == 11.0
+    assert r.budget_sampled["tau_by_theta"][18] == pytest.approx(2.0 + 2 / 8)
+    r._observed_sampled = [(16, [0])] * 100  # fewer than 128 steps: no covered rank, greedy rates as they are
+    r._choose(sampled=True)
+    assert r.budget_sampled["tau_by_theta"][18] == r.budget["tau_by_theta"][18]
+    r._observed_sampled = [(16, [0])] * 130
+    r._choose(sampled=True)
     # each mode drafts with its own theta (checked on what each generation used: afterwards the runner
     # re-chooses from the steps it just timed, real drafting time against this made-up verify curve)
     greedy, sampled = r.budget["theta"], r.budget_sampled["theta"]
