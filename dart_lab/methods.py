@@ -298,10 +298,10 @@ class Runner:
         rates = self._rank_rates(self._observed, probe)
         if sampled:
             own = self._rank_rates(self._observed_sampled, probe, BudgetConfig().sampled_min_steps)
-            seen = [(o, r or 0.0) for o, r in zip(own, rates) if o is not None]
-            greedy_seen = sum(r for _, r in seen)
-            scale = min(1.0, sum(o for o, _ in seen) / greedy_seen) if greedy_seen > 0 else 1.0
-            rates = [o if o is not None else (r or 0.0) * scale for o, r in zip(own, rates)]
+            greedy = [r or 0.0 for r in rates]
+            greedy_seen = sum(r for o, r in zip(own, greedy) if o is not None)
+            scale = min(1.0, sum(o for o in own if o is not None) / greedy_seen) if greedy_seen > 0 else 1.0
+            rates = [o if o is not None else r * scale for o, r in zip(own, greedy)]
         tau = [1.0]
         for r in rates:
             tau.append(tau[-1] + (r or 0.0))

@@ -84,15 +84,15 @@ def test_ratio_interval_resamples_prompts_paired():
         for i in range(n):
             base = g.uniform(1.0, 3.0)
             for m, t in (("a", base / 1.25 * (1 + noise * g.uniform(-1, 1))), ("b", base), ("c", base * 1.1)):
-                out.append({"prompt_id": f"p{i}", "method": m, "new_tokens": 100, "total_s": t, "repeat": 0})
-                out.append({"prompt_id": f"p{i}", "method": m, "new_tokens": 100, "total_s": t * (9 if m == "a" else 1), "repeat": 1})
+                for rep, slow in ((0, 1), (1, 9 if m == "a" else 1)):  # a's second pass is slow
+                    out.append({"prompt_id": f"p{i}", "method": m, "new_tokens": 100, "total_s": t * slow, "repeat": rep})
         return out
     lo, hi = ratio_interval(rows(12, 0.0), "a", ["b", "c"])  # c is slower: the faster of b, c is b
     assert lo == pytest.approx(1.25) and hi == pytest.approx(1.25)  # the slow second passes do not count
     noisy = rows(12, 0.3)
     best = fastest_pass(noisy)
-    speed = {m: sum(r["new_tokens"] for r in best if r["method"] == m) / sum(r["total_s"] for r in best if r["method"] == m)
-             for m in "ab"}
+    speed = {m: sum(r["new_tokens"] for r in best if r["method"] == m)
+             / sum(r["total_s"] for r in best if r["method"] == m) for m in "ab"}
     lo, hi = ratio_interval(noisy, "a", ["b"])
     assert lo < speed["a"] / speed["b"] < hi and hi - lo > 0.05
     lo_many, hi_many = ratio_interval(rows(200, 0.3, seed=1), "a", ["b"])
