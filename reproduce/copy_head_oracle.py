@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--thetas", default="2,4,8,16")
+    ap.add_argument("--dart-head", default="", help="a DART head folder (default: the shipped head)")
     ap.add_argument("--rule-theta", type=int, default=4, help="theta of the online rule (one of --thetas)")
     ap.add_argument("--out", default="")
     ap.add_argument("--rows", default="", help="also write the per-position options here (JSON)")
@@ -126,7 +127,7 @@ def main() -> None:
     target = load_target("smollm2-135m")
     cost = cost_curve(target)
     ar = make_runner("ar", target)
-    d = make_drafter("dart-ctx", target, MethodOptions(tree_nodes=str(max(thetas))))
+    d = make_drafter("dart-ctx", target, MethodOptions(tree_nodes=str(max(thetas)), dart_head=args.dart_head))
     res = {"command": "python reproduce/copy_head_oracle.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "dtype": str(target.dtype), "datasets": {}}
