@@ -45,14 +45,12 @@ from dart_lab.search import topk_levels, tree_search_with_paths
 
 
 def tree_accepted(tree, future: list[int]) -> int:
-    """Greedy acceptance: the longest path from the root whose tokens the answer continues with."""
-    toks, par = tree.tokens.tolist(), tree.parents.tolist()
-    children: dict[int, dict[int, int]] = {}
-    for i in range(1, len(toks)):
-        children.setdefault(par[i], {})[toks[i]] = i
+    """Greedy acceptance (as `acceptance.greedy_accept`, with the answer as the target's argmax): the
+    longest path from the root whose tokens the answer continues with."""
+    toks, children = tree.tokens.tolist(), tree.children()
     node = a = 0
     for t in future:
-        node = children.get(node, {}).get(t)
+        node = next((c for c in children[node] if toks[c] == t), None)
         if node is None:
             break
         a += 1
@@ -76,12 +74,11 @@ def options_at_positions(target, d: ContextDrafter, ctx: list[int], out: list[in
         d.local.sync(ids)
         ngram = MixedNGram(d.ngram, d.local, d.ctx.w_context)
         paths = d._copy_path(ids, ngram, chain, p)
+        pld = copy_chain(ids, 3, 10)
         row = {"ctx": len(ids), "copy_len": len(chain), "copy_kept": kept(chain, fut), "head_ms": (t1 - t0) * 1e3,
-               "pld_len": 0, "pld_kept": 0, "tree": {}, "p": float(p), "head_p0": float(np.exp(logp[0, 0])),
+               "pld_len": len(pld), "pld_kept": kept(pld, fut), "tree": {}, "p": float(p),
                "head_agrees": bool(chain) and int(toks[0, 0]) == chain[0],
                "bucket": d._last_copies[0][3] if chain else -1}
-        pld = copy_chain(ids, 3, 10)
-        row["pld_len"], row["pld_kept"] = len(pld), kept(pld, fut)
         for th in thetas:
             t2 = time.perf_counter()
             search = dataclasses.replace(d.search, max_nodes=th + len(chain))

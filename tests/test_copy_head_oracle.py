@@ -4,10 +4,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "reproduce"))
 from copy_head_oracle import cheapest, tree_accepted, walk  # noqa: E402
 
+from dart_lab.acceptance import greedy_accept  # noqa: E402
 from dart_lab.tree import Tree  # noqa: E402
 
 
@@ -18,6 +20,9 @@ def test_tree_accepted_is_the_longest_path_the_answer_follows():
     assert tree_accepted(tree, [5, 1]) == 1
     assert tree_accepted(tree, [9]) == 0
     assert tree_accepted(Tree.single(7), [1]) == 0
+    for future in ([1, 4, 9], [1, 2, 3, 3], [5, 1], [9]):  # = the engine's greedy acceptance, answer as argmax
+        logits = torch.nn.functional.one_hot(torch.tensor([(future + [0] * 4)[d] for d in tree.depths.tolist()]), 10).float()
+        assert tree_accepted(tree, future) == len(greedy_accept(tree, logits)[0]) - 1
 
 
 def test_hindsight_program_is_the_minimum_over_every_sequence_of_steps():
