@@ -129,28 +129,33 @@ class PackedProjection:
 
 def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, caches: tuple[list, list], n_keys: int, attn_mask: torch.Tensor | None,
-                 causal: bool = False, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Llama-family decoder over N new nodes: the one home of the layer math, run eagerly by
-    `FastTarget` and compiled by `StepGraph`.
+                 causal: bool = False, rows: slice | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Llama-family decoder over N new nodes of B rows: the one home of the layer math, run eagerly
+    by `FastTarget` and `batch.BatchTarget`, and compiled by `StepGraph`.
 
-    ids, positions, slots (N,): tokens, rotary positions and the cache slots their K/V are written to;
-    caches: per-layer K and V, (1, kv_heads, capacity, head_dim) each; attention reads slots [0, n_keys)
-    under `attn_mask` (1, 1, N, n_keys) additive, or causally; projs: per layer (qkv, o, gate_up, down)
-    callables; head: the LM head. Returns logits (N or the `rows`, V) fp32 and the aux states (N, 3H):
-    the inputs of the aux layers (paper Sec. 3.1), in `geometry`'s order.
+    ids, positions (N,) for one row, or (B, N) for a batch; slots (N,): the cache slots the nodes' K/V
+    are written to (the same for every row); caches: per-layer K and V, (B, kv_heads, capacity, head_dim)
+    each; attention reads slots [0, n_keys) under `attn_mask` (B, 1, N, n_keys) additive, or causally;
+    projs: per layer (qkv, o, gate_up, down) callables; head: the LM head. Returns logits fp32 and the aux
+    states (the inputs of the aux layers, paper Sec. 3.1, in `geometry`'s order): one row -> (N or the
+    `rows` slice, V) and (N, 3H); a batch -> logits of the flat node indices `rows` into B * N (all when
+    None), (M, V), and aux (B, N, 3H).
     """
     nh, nkv, hd, scaling, qk_norm, aux_layers = geometry
     inner = model.model
-    N = ids.shape[0]
-    x = inner.embed_tokens(ids[None])  # (1, N, H)
-    cos, sin = inner.rotary_emb(x, positions[None])
-    cos, sin = cos[:, None], sin[:, None]  # (1, 1, N, hd)
+    batched = ids.dim() == 2
+    if not batched:
+        ids, positions = ids[None], positions[None]
+    B, N = ids.shape
+    x = inner.embed_tokens(ids)  # (B, N, H)
+    cos, sin = inner.rotary_emb(x, positions)
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, N, hd)
     taps = {}
     for i, layer in enumerate(inner.layers):
         if i in aux_layers:
-            taps[i] = x[0]
+            taps[i] = x
         att, (qkv, o_proj, gate_up, down) = layer.self_attn, projs[i]
-        q, k, v = qkv(layer.input_layernorm(x)).view(1, N, nh + 2 * nkv, hd).split((nh, nkv, nkv), dim=2)
+        q, k, v = qkv(layer.input_layernorm(x)).view(B, N, nh + 2 * nkv, hd).split((nh, nkv, nkv), dim=2)
         if qk_norm:
             q, k = att.q_norm(q), att.k_norm(k)
         q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
@@ -159,11 +164,14 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
         o = F.scaled_dot_product_attention(q.to(K.dtype), K[:, :, :n_keys], V[:, :, :n_keys], attn_mask=attn_mask,
                                            is_causal=causal, scale=scaling, enable_gqa=nkv != nh).to(x.dtype)
-        x = x + o_proj(o.transpose(1, 2).reshape(1, N, nh * hd))
+        x = x + o_proj(o.transpose(1, 2).reshape(B, N, nh * hd))
         gate, up = gate_up(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
         x = x + down(layer.mlp.act_fn(gate) * up)
-    logits = head(inner.norm(x[0] if rows is None else x[0, rows])).float()
-    return logits, torch.cat([taps[i] for i in aux_layers], dim=-1)
+    aux = torch.cat([taps[i] for i in aux_layers], dim=-1)
+    if not batched:
+        return head(inner.norm(x[0] if rows is None else x[0, rows])).float(), aux[0]
+    h = x.reshape(B * N, -1) if rows is None else x.reshape(B * N, -1)[rows]  # only the rows whose logits are read
+    return head(inner.norm(h)).float(), aux
 
 
 def _side_by_side(*mods: torch.nn.Linear):

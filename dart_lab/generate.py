@@ -122,6 +122,17 @@ def make_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def count_new_tokens(new: list[int], target: Target, cfg: GenerationConfig) -> list[int]:
+    """The same counting for every method (and every row of a batch): cut at max_new_tokens, then
+    after the first EOS."""
+    new = new[:cfg.max_new_tokens]
+    if cfg.stop_on_eos:
+        for i, t in enumerate(new):
+            if t in target.eos_ids:
+                return new[:i + 1]
+    return new
+
+
 @torch.no_grad()
 def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
              cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
@@ -187,13 +198,7 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
             break
     t2 = time.perf_counter()
 
-    # same counting for every method: cut at max_new_tokens, then after the first EOS
-    new = new[:cfg.max_new_tokens]
-    if cfg.stop_on_eos:
-        for i, t in enumerate(new):
-            if t in target.eos_ids:
-                new = new[:i + 1]
-                break
+    new = count_new_tokens(new, target, cfg)
     margins = margins[:len(new)]
     text = target.decode(new) if target.tokenizer is not None else ""
     return GenerationResult(method=drafter.name, tokens=new, prompt_tokens=prompt_ids.numel(), prefill_s=t1 - t0,
@@ -229,12 +234,7 @@ def hf_generate(target: Target, prompt_ids, cfg: GenerationConfig = GenerationCo
     out = target.model.generate(x, attention_mask=torch.ones_like(x), **kw)
     sync(dev)
     t1 = time.perf_counter()
-    new = out[0, prompt_ids.numel():].tolist()
-    if cfg.stop_on_eos:
-        for i, t in enumerate(new):
-            if t in target.eos_ids:
-                new = new[:i + 1]
-                break
+    new = count_new_tokens(out[0, prompt_ids.numel():].tolist(), target, cfg)
     name = "hf-pld" if prompt_lookup_num_tokens else "hf"
     text = target.decode(new) if target.tokenizer is not None else ""
     return GenerationResult(method=name, tokens=new, prompt_tokens=prompt_ids.numel(), prefill_s=0.0, decode_s=t1 - t0,

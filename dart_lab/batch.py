@@ -1,0 +1,378 @@
+"""Batched speculation: B requests decoded together, one target forward per step for all of them
+(the setting of the paper's throughput tables, Tables 5-7).
+
+Each step every live row drafts its own tree (its own drafter: DART's head and search, EAGLE-3's
+tree, a copy, or the root alone), the trees are verified in ONE forward of B x N_max nodes (rows padded
+to the step's largest tree), each row accepts its own path and compacts its own cache, and a row that
+finished leaves the batch (its cache rows are dropped, so it costs no more work).
+
+Cache layout, shared by both runners (`BatchTarget`): row b holds `lens[b]` committed tokens in slots
+[0, lens[b]); every step appends the nodes of all rows at the same slots [end, end + N_max) with
+end = max(lens); slots [lens[b], end) of a shorter row are holes its mask hides. After acceptance row b's
+path moves to [lens[b], lens[b] + k_b), and end becomes the new longest row. The same slots for every row
+let the compact runner write K/V for the whole batch with one `index_copy_` per layer, and the
+public-forward runner append to HF's `DynamicCache` as it always does; positions are explicit (rotary
+position = lens[b] + depth), so a hole changes nothing but wasted attention over masked keys.
+
+Lossless per row: in fp32 each row's tokens equal batch-1 AR on its prompt (tests/test_batch.py); at
+T > 0 each row samples with its own generator seeded as batch-1 would, so a row is drawn from the
+target's law exactly as alone.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .acceptance import accept
+from .config import GenerationConfig
+from .errors import DartLabError
+from .generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator
+from .target import Target, sync
+from .tree import Tree
+
+
+@dataclass
+class BatchOutput:
+    """logits: per row, (N_b, V) float32 (prefill: (1, V), the last prompt token's);
+    aux: per row, (N_b, 3H) (prefill: (T_b, 3H)), or None."""
+
+    logits: list[torch.Tensor]
+    aux: list[torch.Tensor] | None = None
+
+
+class BatchTarget:
+    """B sequences over one `Target`'s weights: `prefill(prompts)`, then `verify(trees)` / `commit(paths)`
+    per step, and `keep(rows)` when rows finish. The compact runner (`fast_llama`) keeps a static K/V
+    cache (L, B, kv_heads, capacity, head_dim); the public-forward runner its `DynamicCache` with a 4D
+    additive mask. The single-sequence `Target` is left untouched (its own cache)."""
+
+    def __init__(self, target: Target, capacity_step: int = 256):
+        self.target, self.capacity_step = target, capacity_step
+        self.fast = getattr(target, "runner", "hf") == "fast"
+        self.lens: list[int] = []
+        self.end = 0
+        self._k = self._v = None  # fast runner: (L, B, kv, cap, hd)
+        self.cache = None  # public forward: DynamicCache
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lens)
+
+    @property
+    def _mask_dtype(self) -> torch.dtype:
+        return self.target.cache_dtype if self.fast else self.target.dtype
+
+    # -- masks
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(B, N, K) bool -> (B, 1, N, K) additive mask in the attention dtype."""
+        dt = self._mask_dtype
+        low = float("-inf") if self.fast else torch.finfo(dt).min
+        return torch.zeros(allowed.shape, dtype=dt).masked_fill_(~allowed, low)[:, None].to(self.target.device)
+
+    # -- forward
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, rows: torch.Tensor,
+                 want_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, positions (B, N); allowed (B, N, end + N) bool; rows: flat indices into B * N whose logits
+        are wanted. Returns logits (len(rows), V) fp32 and aux (B, N, 3H) or None."""
+        t, dev = self.target, self.target.device
+        B, N = ids.shape
+        if self.fast:
+            from .fast_llama import decoder_step
+
+            self._ensure(self.end + N)
+            slots = torch.arange(self.end, self.end + N, device=dev)
+            caches = (list(self._k.unbind(0)), list(self._v.unbind(0)))
+            logits, aux = decoder_step(t.model, *t._eager_projections(), t._geometry(), ids.to(dev),
+                                       positions.to(dev), slots, caches, self.end + N, self._additive(allowed),
+                                       rows=rows.to(dev))
+            return logits, aux if want_aux else None
+        out = t.model(input_ids=ids.to(dev), position_ids=positions.to(dev), attention_mask=self._additive(allowed),
+                      use_cache=True, output_hidden_states=want_aux, **{t._cache_kw: self.cache})
+        logits = out.logits.reshape(B * N, -1)[rows.to(dev)].float()
+        aux = torch.cat([out.hidden_states[i] for i in t.aux_layers], dim=-1) if want_aux else None
+        return logits, aux
+
+    def _ensure(self, n: int) -> None:
+        """Fast runner: cache capacity for n slots per row (contents kept)."""
+        t = self.target
+        if self._k is not None and self._k.shape[3] >= n:
+            return
+        cap = min(n + self.capacity_step, max(t.max_context + 64, n))
+        shape = (t.num_layers, self.batch_size, t.n_kv, cap, t.head_dim)
+        k = torch.zeros(shape, dtype=t.cache_dtype, device=t.device)
+        v = torch.zeros(shape, dtype=t.cache_dtype, device=t.device)
+        if self._k is not None and self.end:
+            k[:, :, :, :self.end] = self._k[:, :, :, :self.end]
+            v[:, :, :, :self.end] = self._v[:, :, :, :self.end]
+        self._k, self._v = k, v
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[torch.Tensor], want_aux: bool = False) -> BatchOutput:
+        """Run B prompts (each (T_b,)) right-padded to the longest, each causally over its own tokens."""
+        t = self.target
+        if not prompts:
+            raise DartLabError("no prompts to decode")
+        prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+        for p in prompts:
+            if p.numel() == 0:
+                raise DartLabError("prompt is empty")
+            if p.numel() >= t.max_context:
+                raise DartLabError(f"prompt has {p.numel()} tokens, the target's context is {t.max_context}")
+            if int(p.max()) >= t.vocab_size or int(p.min()) < 0:
+                raise DartLabError(f"prompt has token ids outside the target vocabulary (size {t.vocab_size})")
+        B, T = len(prompts), max(p.numel() for p in prompts)
+        lens = torch.tensor([p.numel() for p in prompts])
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, :p.numel()] = p
+        positions = torch.arange(T).expand(B, T)
+        q, k = torch.arange(T)[:, None], torch.arange(T)[None]
+        # causal over the row's own tokens; a pad position sees itself only (no all-masked softmax row)
+        allowed = (k <= q) & ((k < lens[:, None, None]) | (k == q))
+        self.lens, self.end = [0] * B, 0
+        self._k = self._v = None
+        if not self.fast:
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=t.model.config)
+        logits, aux = self._forward(ids, positions, allowed, torch.arange(B) * T + lens - 1, want_aux)
+        self.lens, self.end = lens.tolist(), T
+        return BatchOutput(list(logits[:, None]), [aux[b, :n] for b, n in enumerate(self.lens)] if want_aux else None)
+
+    @torch.no_grad()
+    def verify(self, trees: list[Tree], want_aux: bool = False) -> BatchOutput:
+        """One forward over every row's tree (row b's node i at position lens[b] + depth[i], attending to
+        the row's committed tokens and its own ancestors); must be followed by `commit`."""
+        if len(trees) != self.batch_size:
+            raise RuntimeError(f"{len(trees)} trees for a batch of {self.batch_size}")
+        B, N, P = len(trees), max(len(tr) for tr in trees), self.end
+        sizes = torch.tensor([len(tr) for tr in trees])
+        ids = torch.zeros(B, N, dtype=torch.long)
+        positions = torch.tensor(self.lens)[:, None].repeat(1, N)
+        allowed = torch.zeros(B, N, P + N, dtype=torch.bool)
+        allowed[:, :, :P] = torch.arange(P)[None, None] < torch.tensor(self.lens)[:, None, None]
+        allowed[:, :, P:] = torch.eye(N, dtype=torch.bool)  # pad nodes: themselves only
+        for b, tr in enumerate(trees):
+            n = len(tr)
+            ids[b, :n] = tr.tokens
+            positions[b, :n] += tr.depths
+            allowed[b, :n, P:P + n] = tr.ancestor_mask()
+        rows = (torch.arange(B)[:, None] * N + torch.arange(N)[None])[torch.arange(N)[None] < sizes[:, None]]
+        logits, aux = self._forward(ids, positions, allowed, rows, want_aux)
+        self._pending = N
+        return BatchOutput(list(logits.split(sizes.tolist())),
+                           [aux[b, :n] for b, n in enumerate(sizes.tolist())] if want_aux else None)
+
+    def commit(self, paths: list[list[int]]) -> None:
+        """Row b keeps the K/V of its accepted nodes `paths[b]` (root first) at [lens[b], lens[b] + k_b)."""
+        P, N = self.end, self._pending
+        moves = []
+        for b, path in enumerate(paths):
+            idx = torch.as_tensor(path, dtype=torch.long)
+            if len(path) == 0 or int(idx[0]) != 0:
+                raise RuntimeError("an accepted path starts at the root (node 0)")
+            if not (self.lens[b] == P and torch.equal(idx, torch.arange(len(path)))):  # else already in place
+                moves.append((b, (P + idx).to(self.target.device), self.lens[b]))
+            self.lens[b] += len(path)
+        if self.fast:
+            for b, src, at in moves:  # gather first (advanced indexing copies), then write: all layers at once
+                self._k[:, b, :, at:at + len(src)] = self._k[:, b, :, src]
+                self._v[:, b, :, at:at + len(src)] = self._v[:, b, :, src]
+        else:
+            for layer in self.cache.layers:
+                keys, values = layer.keys, layer.values
+                for b, src, at in moves:
+                    keys[b, :, at:at + len(src)] = keys[b, :, src]
+                    values[b, :, at:at + len(src)] = values[b, :, src]
+        self.end = max(self.lens)
+        if not self.fast:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., :self.end, :], layer.values[..., :self.end, :]
+        self._pending = 0
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the current batch), in that order: finished rows cost no more."""
+        if rows == list(range(self.batch_size)):
+            return
+        self.lens = [self.lens[r] for r in rows]
+        self.end = max(self.lens, default=0)
+        sel = torch.as_tensor(rows, dtype=torch.long, device=self.target.device)
+        if self.fast:
+            self._k, self._v = self._k.index_select(1, sel), self._v.index_select(1, sel)
+        else:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.index_select(0, sel)[..., :self.end, :]
+                layer.values = layer.values.index_select(0, sel)[..., :self.end, :]
+
+    def truncate(self, n: int) -> None:
+        """Every row back to its first n tokens (timing loops)."""
+        self.lens, self.end = [n] * self.batch_size, n
+        if not self.fast:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+
+
+@dataclass
+class BatchResult:
+    """rows: one GenerationResult per prompt (in order; each row's prefill_s / decode_s are the batch's
+    shared wall times); wall_s: the whole batch, prefill included; steps: per batch step, the live rows,
+    the largest tree, theta and the verify ms."""
+
+    method: str
+    rows: list[GenerationResult]
+    prefill_s: float
+    decode_s: float
+    steps: list[dict] = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(r.new_tokens for r in self.rows)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """All rows' new tokens over the batch's wall time."""
+        return self.new_tokens / max(self.wall_s, 1e-9)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "batch_size": len(self.rows), "new_tokens": self.new_tokens,
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
+                "steps": self.steps, "config": self.config, "rows": [r.to_dict() for r in self.rows]}
+
+
+class _Row:
+    """One request's state in the batch loop."""
+
+    def __init__(self, prompt: torch.Tensor, drafter: Drafter, gen: torch.Generator):
+        self.prompt, self.drafter, self.gen = prompt, drafter, gen
+        self.ids: list[int] = []
+        self.new: list[int] = []
+        self.margins: list[float] = []
+        self.steps: list[dict] = []
+        self.stop = "max_new_tokens"
+        self.fallback: Drafter | None = None  # what proposes while the budget says no tree pays (theta 0)
+
+
+def _finished(row: _Row, emitted: list[int], lens: int, target: Target, cfg: GenerationConfig) -> bool:
+    """The batch-1 loop's stop rule (generate.generate) for one row, after it emitted `emitted`."""
+    if cfg.stop_on_eos and any(t in target.eos_ids for t in emitted):
+        row.stop = "eos"
+        return True
+    if len(row.new) >= cfg.max_new_tokens:
+        return True
+    if lens + 1 >= target.max_context:
+        row.stop = "context"
+        return True
+    return False
+
+
+@torch.no_grad()
+def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None = None,
+                   cfg: GenerationConfig = GenerationConfig(), policy=None, name: str | None = None) -> BatchResult:
+    """Decode `prompts` (each (T_b,) token ids) together; drafters[b] drafts for row b (None: AR for all).
+
+    policy (optional): live rows -> (theta, verify curve) from the automatic budget at that batch size
+    (`methods.Runner.generate_batch`); theta 0 = no tree pays: each row proposes what its drafter can
+    without a tree (`Drafter.without_tree`, else the root alone) while its drafter keeps observing, so its
+    state (the head's cache) stays whole. Steps: 1. draft, 2. verify (one forward), 3. accept, 4. compact."""
+    B = len(prompts)
+    drafters = drafters or [Drafter() for _ in range(B)]
+    if len(drafters) != B:
+        raise RuntimeError(f"{len(drafters)} drafters for {B} prompts")
+    prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    dev = target.device
+    want_aux = any(d.needs_aux for d in drafters)
+    rows = [_Row(p, d, make_generator(dev, cfg.seed)) for p, d in zip(prompts, drafters)]
+    bt = BatchTarget(target)
+
+    # 0. prefill: every prompt, one forward; each row's first new token (its first tree root)
+    sync(dev)
+    t0 = time.perf_counter()
+    out = bt.prefill(prompts, want_aux=want_aux)
+    for b, row in enumerate(rows):
+        first = _first_token(out.logits[b][-1], cfg, row.gen)
+        row.ids, row.new, row.margins = row.prompt.tolist() + [first], [first], _margins(out.logits[b][-1:])
+        row.drafter.begin(target, row.ids, out.aux[b] if want_aux else None)
+    live = [b for b in range(B) if not _finished(rows[b], rows[b].new, bt.lens[b], target, cfg)]
+    bt.keep(live)
+    sync(dev)
+    t1 = time.perf_counter()
+
+    batch_steps, theta = [], None
+    while live:
+        if policy is not None:  # theta for this many live rows (re-chosen when rows finish)
+            new_theta, curve = policy(len(live))
+            if new_theta != theta:
+                theta = new_theta
+                for b in live:
+                    if theta:
+                        rows[b].drafter.set_budget(theta)
+                    elif rows[b].fallback is None:
+                        rows[b].fallback = rows[b].drafter.without_tree(curve) or Drafter()
+        # 1. draft: each live row proposes its tree (rooted at its last token)
+        ta = time.perf_counter()
+        trees = []
+        for i, b in enumerate(live):
+            row = rows[b]
+            proposer = row.fallback if (policy is not None and not theta) else row.drafter
+            proposer.last_timing = {}
+            tree = proposer.propose(row.ids)
+            if int(tree.tokens[0]) != row.ids[-1]:
+                raise RuntimeError(f"drafter {row.drafter.name} returned a tree whose root is not the last token")
+            if bt.lens[i] + int(tree.depths.max()) + 1 > target.max_context:
+                tree = Tree.single(row.ids[-1])  # no room left for drafts: finish with plain AR steps
+            trees.append((tree, proposer.last_timing))
+        sync(dev)
+        tb = time.perf_counter()
+        # 2. verify: one target forward over every row's tree
+        vo = bt.verify([tr for tr, _ in trees], want_aux=want_aux)
+        sync(dev)
+        tc = time.perf_counter()
+        # 3. accept: each row's longest accepted path + bonus token
+        paths = []
+        for i, b in enumerate(live):
+            path, bonus = accept(trees[i][0], vo.logits[i], cfg, rows[b].gen)
+            paths.append((path, bonus))
+        # 4. compact each row's cache to its accepted path; hand the accepted states to its drafter
+        bt.commit([p for p, _ in paths])
+        still = []
+        for i, b in enumerate(live):
+            row, (tree, timing), (path, bonus) = rows[b], trees[i], paths[i]
+            emitted = tree.tokens[path[1:]].tolist() + [bonus]
+            row.ids.extend(emitted)
+            row.new.extend(emitted)
+            row.margins.extend(_margins(vo.logits[i][path]))
+            row.drafter.observe(row.ids, vo.aux[i][path] if want_aux else None)
+            row.steps.append({"accept_len": len(path) - 1, "tree_size": len(tree),
+                              **({"path_ranks": tree.ranks[path[1:]].tolist()} if tree.ranks is not None else {}),
+                              "draft_ms": timing.get("draft_ms", 0.0), "search_ms": timing.get("search_ms", 0.0),
+                              **({"copy_only": True} if timing.get("copy_only") else {})})
+            if not _finished(row, emitted, bt.lens[i], target, cfg):
+                still.append(i)
+        sync(dev)
+        td = time.perf_counter()
+        batch_steps.append({"rows": len(live), "max_tree": max(len(tr) for tr, _ in trees),
+                            "theta": theta, "propose_ms": (tb - ta) * 1e3, "verify_ms": (tc - tb) * 1e3,
+                            "accept_ms": (td - tc) * 1e3})
+        bt.keep(still)  # 5. finished rows leave the batch
+        live = [live[i] for i in still]
+    t2 = time.perf_counter()
+
+    results = []
+    for row in rows:
+        new = count_new_tokens(row.new, target, cfg)
+        text = target.decode(new) if target.tokenizer is not None else ""
+        results.append(GenerationResult(method=name or row.drafter.name, tokens=new, prompt_tokens=row.prompt.numel(),
+                                        prefill_s=t1 - t0, decode_s=t2 - t1, stop_reason=row.stop, steps=row.steps,
+                                        margins=row.margins[:len(new)],
+                                        config={"generation": asdict(cfg), "drafter": row.drafter.config()},
+                                        text=text))
+    return BatchResult(method=name or drafters[0].name, rows=results, prefill_s=t1 - t0, decode_s=t2 - t1,
+                       steps=batch_steps, config={"generation": asdict(cfg), "batch_size": B,
+                                                  "runner": getattr(target, "runner", "hf")})

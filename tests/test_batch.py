@@ -1,0 +1,104 @@
+"""Batched speculation is lossless per row: in fp32 every row of a batch decodes exactly what batch-1 AR
+decodes on its prompt, for every method, both runners, mixed prompt lengths and rows that stop at
+different steps (EOS, max_new_tokens); sampling keeps each row on the target's law."""
+import pytest
+import torch
+
+from conftest import tiny_target
+from drafters_for_tests import OracleDrafter, RandomDrafter
+from test_drafters import all_drafters
+from test_generate import chi2_pvalue, exact_two_token_law
+from dart_lab import GenerationConfig, generate
+from dart_lab.batch import BatchTarget, generate_batch
+from dart_lab.tree import Tree
+
+LENGTHS = (3, 11, 6, 20, 9, 4, 15, 7)
+
+
+def prompts_for(target, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, target.vocab_size, (n,), generator=g) for n in LENGTHS]
+
+
+def with_eos_mid_answer(target, prompts, cfg):
+    """Make a token that AR emits part-way through some answers the EOS, so rows stop at different steps."""
+    ar = [generate(target, p, None, cfg).tokens for p in prompts]
+    def stop_lengths(tok):
+        return {a.index(tok) if tok in a else len(a) for a in ar}
+
+    target.eos_ids = frozenset({max(range(2, target.vocab_size), key=lambda tok: len(stop_lengths(tok)))})
+    return [generate(target, p, None, cfg) for p in prompts]
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_every_row_equals_batch1_ar(arch, runner):
+    target = tiny_target(arch, runner=runner)
+    cfg = GenerationConfig(max_new_tokens=24)
+    prompts = prompts_for(target)
+    ar = with_eos_mid_answer(target, prompts, cfg)
+    stops = {a.stop_reason for a in ar}
+    assert stops == {"eos", "max_new_tokens"} and len({a.new_tokens for a in ar}) > 2  # rows end at different steps
+    for B in (1, 2, 3, 8):
+        want = [a.tokens for a in ar[:B]]
+        assert [r.tokens for r in generate_batch(target, prompts[:B], None, cfg).rows] == want, ("ar", B)
+        rand = [RandomDrafter(target.vocab_size, seed=b) for b in range(B)]
+        assert [r.tokens for r in generate_batch(target, prompts[:B], rand, cfg).rows] == want, ("random", B)
+        oracle = [OracleDrafter(p.tolist() + a.tokens, target.vocab_size) for p, a in zip(prompts[:B], ar)]
+        res = generate_batch(target, prompts[:B], oracle, cfg)
+        assert [r.tokens for r in res.rows] == want, ("oracle", B)
+        assert [r.stop_reason for r in res.rows] == [a.stop_reason for a in ar[:B]]
+    assert max(s["rows"] for s in res.steps) == 8 and min(s["rows"] for s in res.steps) < 8  # finished rows leave
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_every_method_batched_equals_batch1_ar(runner):
+    target = tiny_target("llama", runner=runner)
+    cfg = GenerationConfig(max_new_tokens=20)
+    prompts = prompts_for(target, seed=2)[:3]
+    ar = with_eos_mid_answer(target, prompts, cfg)
+    for name in ("dart", "dart-no-ngram", "eagle3", "pld", "dart-ctx", "dart-ctx-branch", "sps"):
+        drafters = [all_drafters(target)[name] for _ in prompts]
+        res = generate_batch(target, prompts, drafters, cfg)
+        assert [r.tokens for r in res.rows] == [a.tokens for a in ar], name
+
+
+def test_batched_verify_logits_equal_each_row_alone():
+    """Tree logits of a batch = each row's tree verified alone (mixed sizes, padding, holes in the cache)."""
+    for runner in ("hf", "fast"):
+        target = tiny_target("qwen3", runner=runner)
+        prompts = prompts_for(target)[:4]
+        g = torch.Generator().manual_seed(5)
+        trees = []
+        for n in (1, 7, 3, 12):
+            parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n)]
+            trees.append(Tree(torch.randint(2, target.vocab_size, (n,), generator=g), torch.tensor(parents)))
+        bt = BatchTarget(target)
+        bt.prefill(prompts)
+        bt.verify([Tree.single(int(p[-1])) for p in prompts])
+        bt.commit([[0]] * 4)
+        bt.verify([Tree.from_paths(int(p[-1]), [[3, 4, 5]]) for p in prompts])
+        bt.commit([[0], [0, 1, 2], [0, 1], [0]])  # rows of different lengths: holes before the next nodes
+        out = bt.verify(trees)
+        for b, (p, tree) in enumerate(zip(prompts, trees)):
+            extra = [[int(p[-1])], [int(p[-1]), 3, 4], [int(p[-1]), 3], [int(p[-1])]][b]
+            target.prefill(torch.cat([p, torch.tensor([int(p[-1])]), torch.tensor(extra)]))
+            alone = target.verify(tree)
+            target.commit([0])
+            torch.testing.assert_close(out.logits[b], alone.logits, atol=2e-4, rtol=1e-4)
+
+
+def test_sampling_rows_follow_the_target_law():
+    """T > 0: every row of a batch draws its first two tokens from the target's exact law (chi-square)."""
+    target = tiny_target("llama", runner="fast")
+    cfg = GenerationConfig(max_new_tokens=2, temperature=1.0, stop_on_eos=False)
+    prompts = [torch.tensor([5, 17, 33]), torch.tensor([8, 2, 64, 11, 40])]
+    laws = [exact_two_token_law(target, p, cfg) for p in prompts]
+    samples = [[], []]
+    for seed in range(300):
+        c = GenerationConfig(max_new_tokens=2, temperature=1.0, stop_on_eos=False, seed=seed)
+        drafters = [RandomDrafter(target.vocab_size, n_nodes=6, seed=seed + b) for b in range(2)]
+        for b, r in enumerate(generate_batch(target, prompts, drafters, c).rows):
+            samples[b].append(tuple(r.tokens))
+    for b in range(2):
+        assert chi2_pvalue(samples[b], laws[b]) > 1e-3, b
