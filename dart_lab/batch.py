@@ -133,13 +133,33 @@ class BatchTarget:
         allowed = (k <= q) & ((k < lens[:, None, None]) | (k == q))
         self.lens, self.end = [0] * B, 0
         self._k = self._v = None
-        if not self.fast:
-            from transformers import DynamicCache
+        if self.fast:  # row by row into the batch's cache: no compute spent on padding
+            return self._prefill_rows(prompts, T, want_aux)
+        from transformers import DynamicCache
 
-            self.cache = DynamicCache(config=t.model.config)
+        self.cache = DynamicCache(config=t.model.config)
         logits, aux = self._forward(ids, positions, allowed, torch.arange(B) * T + lens - 1, want_aux)
         self.lens, self.end = lens.tolist(), T
         return BatchOutput(list(logits[:, None]), [aux[b, :n] for b, n in enumerate(self.lens)] if want_aux else None)
+
+    def _prefill_rows(self, prompts: list[torch.Tensor], T: int, want_aux: bool) -> BatchOutput:
+        """Fast runner: each prompt through the decoder alone (causal), written into its row of the cache."""
+        from .fast_llama import decoder_step
+
+        t, dev = self.target, self.target.device
+        self.lens = [0] * len(prompts)
+        self._ensure(T)
+        logits, aux = [], []
+        for b, p in enumerate(prompts):
+            n = p.numel()
+            caches = ([k[b:b + 1] for k in self._k.unbind(0)], [v[b:b + 1] for v in self._v.unbind(0)])
+            lg, ax = decoder_step(t.model, *t._eager_projections(), t._geometry(), p[None].to(dev),
+                                  torch.arange(n, device=dev)[None], torch.arange(n, device=dev), caches, n, None,
+                                  causal=n > 1, rows=torch.tensor([n - 1], device=dev))
+            logits.append(lg)
+            aux.append(ax[0])
+        self.lens, self.end = [p.numel() for p in prompts], T
+        return BatchOutput(logits, aux if want_aux else None)
 
     @torch.no_grad()
     def verify(self, trees: list[Tree], want_aux: bool = False) -> BatchOutput:
@@ -376,3 +396,47 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
     return BatchResult(method=name or drafters[0].name, rows=results, prefill_s=t1 - t0, decode_s=t2 - t1,
                        steps=batch_steps, config={"generation": asdict(cfg), "batch_size": B,
                                                   "runner": getattr(target, "runner", "hf")})
+
+
+@torch.no_grad()
+def hf_generate_batch(target: Target, prompts: list, cfg: GenerationConfig = GenerationConfig(),
+                      prompt_lookup_num_tokens: int | None = None, name: str | None = None) -> BatchResult:
+    """External reference: Hugging Face `generate` on the prompts left-padded into one batch (attention
+    mask over the padding), each row counted as `generate.hf_generate` counts. HF does not separate
+    prefill from decode, so all time is decode_s. Prompt lookup (hf-pld) runs one row at a time in HF."""
+    from .generate import hf_generate
+
+    prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    if any(p.numel() == 0 for p in prompts):
+        raise DartLabError("prompt is empty")
+    if prompt_lookup_num_tokens:  # HF's prompt lookup refuses batches: rows one after another
+        t0 = time.perf_counter()
+        rows = [hf_generate(target, p, cfg, prompt_lookup_num_tokens) for p in prompts]
+        wall = time.perf_counter() - t0
+    else:
+        torch.manual_seed(cfg.seed)
+        pad = min(target.eos_ids) if target.eos_ids else 0
+        T = max(p.numel() for p in prompts)
+        x = torch.full((len(prompts), T), pad, dtype=torch.long)
+        mask = torch.zeros(len(prompts), T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            x[b, T - p.numel():], mask[b, T - p.numel():] = p, 1
+        kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=not cfg.greedy, pad_token_id=pad,
+                  eos_token_id=sorted(target.eos_ids) if cfg.stop_on_eos else None)
+        kw.update(dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None) if not cfg.greedy
+                  else dict(temperature=None, top_p=None, top_k=None))
+        dev = target.device
+        sync(dev)
+        t0 = time.perf_counter()
+        out = target.model.generate(x.to(dev), attention_mask=mask.to(dev), **kw)
+        sync(dev)
+        wall = time.perf_counter() - t0
+        rows = []
+        for b, p in enumerate(prompts):
+            new = count_new_tokens(out[b, T:].tolist(), target, cfg)
+            rows.append(GenerationResult(method="hf", tokens=new, prompt_tokens=p.numel(), prefill_s=0.0, decode_s=wall,
+                                         stop_reason="eos" if new and new[-1] in target.eos_ids else "max_new_tokens",
+                                         config={"generation": asdict(cfg)},
+                                         text=target.decode(new) if target.tokenizer is not None else ""))
+    return BatchResult(method=name or ("hf-pld" if prompt_lookup_num_tokens else "hf"), rows=rows, prefill_s=0.0,
+                       decode_s=wall, config={"generation": asdict(cfg), "batch_size": len(prompts), "runner": "hf"})

@@ -66,6 +66,9 @@ class BenchConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False  # torch.compile the target's steps (fast_llama.FastTarget.compile)
+    # requests decoded together (batch.py); 1 = one at a time (the paper's Tables 1-4), more: Tables 5-7.
+    # The first size fills `methods`, every size `by_batch`
+    batch_sizes: tuple = (1,)
     options: MethodOptions = field(default_factory=MethodOptions)
 
     def __post_init__(self):
@@ -75,6 +78,8 @@ class BenchConfig:
             raise DartLabError("no methods given")
         if self.num_prompts < 1:
             raise DartLabError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise DartLabError(f"batch sizes must be integers >= 1, got {self.batch_sizes!r}")
         if self.repeats < 1:
             raise DartLabError(f"repeats must be >= 1, got {self.repeats}")
         if self.repeats > 1 and self.temperature > 0:
@@ -89,6 +94,8 @@ class BenchConfig:
         """Identifies rows that can be reused on resume (num_prompts excluded: a larger run reuses them)."""
         d = asdict(self)
         d.pop("num_prompts")
+        if tuple(d["batch_sizes"]) == (1,):  # the key of a one-at-a-time run, as before batches existed
+            d.pop("batch_sizes")
         d["dart_lab"] = __version__  # a new version may draft differently (e.g. the faithful search of 0.2)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -162,6 +169,35 @@ def _row(res, prompt, method, ar):
         row["match_ar"] = res.tokens == ar.tokens
         if not row["match_ar"]:
             _divergence(row, res, ar)
+    return row
+
+
+def _batch_row(res, group: str, method: str, ar) -> dict:
+    """One bench row for a batch of prompts decoded together (`Runner.generate_batch`): tokens of every
+    row over the batch's wall time; step figures per row-step (tau, drafting) or per batch step (verify);
+    match_ar per row against batched AR on the same prompts."""
+    steps = [s for r in res.rows for s in r.steps]
+    mean = (lambda k: statistics.fmean(s[k] for s in steps)) if steps else (lambda k: 0.0)
+    by_rows = (res.config or {}).get("tree_budget_by_rows") or {}
+    row = {"prompt_id": group, "category": "batch", "method": method, "batch_size": len(res.rows),
+           "new_tokens": res.new_tokens, "total_s": res.wall_s, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
+           "tokens_per_s": res.tokens_per_s, "verify_steps": len(steps), "batch_steps": len(res.steps),
+           "emitted": sum(s["accept_len"] + 1 for s in steps), "tau": None,
+           "draft_ms": mean("draft_ms"), "search_ms": mean("search_ms"),
+           "verify_ms": statistics.fmean(s["verify_ms"] for s in res.steps) if res.steps else 0.0,
+           "accept_lens": [s["accept_len"] for s in steps],
+           "stop_reason": ",".join(sorted({r.stop_reason for r in res.rows})),
+           "theta": by_rows[str(len(res.rows))]["theta"] if str(len(res.rows)) in by_rows else None,
+           "theta_by_live_rows": {k: v["theta"] for k, v in by_rows.items()},
+           "drafted_nodes": mean("tree_size") - 1 if steps and "tree_size" in steps[0] else 0.0,
+           "copy_only_steps": sum(1 for s in steps if s.get("copy_only"))}
+    row["tau"] = row["emitted"] / len(steps) if steps else None
+    if ar is not None:
+        row["match_ar_rows"] = [r.tokens == a.tokens for r, a in zip(res.rows, ar.rows)]
+        row["match_ar"] = all(row["match_ar_rows"])
+        first = next((i for i, m in enumerate(row["match_ar_rows"]) if not m), None)
+        if first is not None:
+            _divergence(row, res.rows[first], ar.rows[first])
     return row
 
 
@@ -280,7 +316,7 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     if "ar" in order:  # AR first in the list so match_ar can be judged; timing order still rotates
         order.remove("ar")
         order.insert(0, "ar")
-    for i, prompt in enumerate(it):
+    for i, prompt in enumerate(it if cfg.batch_sizes[0] == 1 else []):
         ids = target.encode_prompt(prompt["prompt"])
         gen_cfg = cfg.generation(seed=cfg.seed + i)
         for rep in range(cfg.repeats):
@@ -297,6 +333,16 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                 os.fsync(f.fileno())
             rows = [r for r in rows if (r["prompt_id"], r.get("repeat", 0)) != (prompt["id"], rep)] + new_rows
 
+    by_batch = {}
+    for B in cfg.batch_sizes:
+        if B == 1 and 1 in cfg.batch_sizes[:1]:
+            continue  # the one-at-a-time loop above
+        rows = _bench_batches(cfg, B, prompts, target, runners, order, rows, done, key, partial, greedy, progress)
+        by_batch[str(B)] = {"methods": aggregate(fastest_pass([r for r in rows if r.get("batch_size") == B]), order,
+                                                 greedy)}
+    single = [r for r in rows if "batch_size" not in r]
+    if single:
+        by_batch = {"1": {"methods": aggregate(fastest_pass(single), order, greedy)}, **by_batch}
     result = {"config": asdict(cfg), "config_key": key, "machine": machine_info(target),
               "drafters": {m: r.config() for m, r in runners.items()},
               "aggregation": ("each (prompt, method) counted by the fastest of its "
@@ -306,9 +352,45 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                              "speedup_vs_ar_median = median over prompts of the per-prompt ratio; "
                              "tau = emitted tokens / verify steps (bonus included)",
               "machine_load": machine_load(load0, time.perf_counter() - t_run),
-              "methods": aggregate(fastest_pass(rows), order, greedy), "per_prompt": rows}
+              "methods": by_batch[str(cfg.batch_sizes[0])]["methods"], "per_prompt": rows}
+    if len(cfg.batch_sizes) > 1 or cfg.batch_sizes[0] > 1:
+        result["by_batch"] = by_batch
+        result["aggregation"] += ("; batches: the prompts in consecutive groups of B decoded together, tokens_per_s ="
+                                  " every row's new tokens / the batch's wall time (prefill included), tau per row-step,"
+                                  " verify_ms per batch step, match_ar = every row equals batched AR's row")
     if cfg.repeats > 1:
-        result["methods_first_pass"] = aggregate([r for r in rows if r.get("repeat", 0) == 0], order, greedy)
+        result["methods_first_pass"] = aggregate([r for r in single if r.get("repeat", 0) == 0], order, greedy)
     write_json(out, result)
     partial.unlink(missing_ok=True)
     return result
+
+
+def _bench_batches(cfg: BenchConfig, B: int, prompts, target, runners, order, rows, done, key, partial, greedy,
+                   progress) -> list[dict]:
+    """The prompts in consecutive groups of B, each group decoded together by every method in turn (the
+    order rotating per group and pass, as the one-at-a-time loop rotates), rows appended to `partial`."""
+    wids = target.encode_prompt(WARMUP_PROMPT)
+    warm = dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens))
+    for _ in range(cfg.warmup):  # also times the batched verify surface of the budget (outside the timing)
+        for m in order:
+            runners[m].generate_batch([wids] * B, warm)
+    groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+    it = tqdm(groups, desc=f"bench {cfg.dataset} batch {B}", unit="batch") if progress else groups
+    for g, group in enumerate(it):
+        gid = f"batch{B}:" + "+".join(str(p["id"]) for p in group)
+        ids = [target.encode_prompt(p["prompt"]) for p in group]
+        gen_cfg = cfg.generation(seed=cfg.seed + g)
+        for rep in range(cfg.repeats):
+            if all((gid, m, rep) in done for m in order):
+                continue
+            k = (g * cfg.repeats + rep) % len(order)
+            results = {m: runners[m].generate_batch(ids, gen_cfg) for m in order[k:] + order[:k]}
+            ar = results["ar"] if ("ar" in results and greedy) else None
+            new_rows = [dict(_batch_row(results[m], gid, m, ar), repeat=rep) for m in order]
+            with open(partial, "a") as f:
+                for r in new_rows:
+                    f.write(json.dumps({"config_key": key, "row": r}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            rows = [r for r in rows if (r["prompt_id"], r.get("repeat", 0)) != (gid, rep)] + new_rows
+    return rows

@@ -63,6 +63,10 @@ class BudgetConfig:
     overhead_memory: int = 512  # steps a per-theta mean of drafting + search time remembers (it follows the machine)
     sampled_min_steps: int = 128  # sampled steps covering a rank before its sampled acceptance rate is used (fewer: one
     # short answer decided it, and a pessimistic rate can send sampling to AR fallback, which then sees no drafts)
+    batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64)  # live-row counts at which batched verify cost is timed (between
+    # them it is interpolated); a batch times the ones up to its own size, when it first runs
+    batch_max_tokens: int = 512  # batched verify timed up to this many nodes in all (rows x nodes): wider batched
+    # trees are priced by proportional growth (`interpolate`), which on a CPU already rules them out
     fallback_probe_every: int = 4  # while a runner is in AR fallback, every this many generations one decodes with
     # the best tree anyway (when the drafter learns theta in that mode): a fallback drafts no tree, so without a
     # probe no evidence could bring theta back (seen at T=1: dart-ctx on Alpaca fell back after two prompts and
@@ -242,3 +246,62 @@ def choose_budget(tau: list[float], verify_ms: dict[int, float], overhead_ms) ->
             "overhead_ms": over[best],
             "overhead_ms_by_theta": [round(v, 3) for v in over[1:]],
             "fallback_to_ar": best == 0}
+
+
+@torch.no_grad()
+def batch_verify_ms(target, batch: int, sizes, repeats: int = 5, prompt_len: int = 128) -> dict[int, float]:
+    """Median wall ms of one batched verify (`batch.BatchTarget`) of `batch` rows with an N-node chain
+    each, after `prompt_len` committed tokens per row, sizes interleaved after a warm-up round."""
+    from .batch import BatchTarget
+
+    g = torch.Generator().manual_seed(0)
+    V = min(target.vocab_size, 1000)
+    bt = BatchTarget(target)
+    bt.prefill([torch.randint(3, V, (prompt_len,), generator=g) for _ in range(batch)])
+    times = {n: [] for n in sizes}
+    for r in range(repeats + 1):  # round 0 warms up
+        for n in sizes:
+            trees = [Tree(torch.randint(3, V, (n,), generator=g), torch.arange(-1, n - 1)) for _ in range(batch)]
+            sync(target.device)
+            t = time.perf_counter()
+            bt.verify(trees)
+            sync(target.device)
+            if r:
+                times[n].append((time.perf_counter() - t) * 1e3)
+            bt.commit([[0]] * batch)
+            bt.truncate(prompt_len)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def batch_cost_curve(target, batch: int, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -> dict[int, float]:
+    """{N: ms} of one step verifying `batch` rows of N nodes each (the surface t(B, N) at one B), timed at
+    the sizes of `cfg.sizes` with batch x N <= cfg.batch_max_tokens, cached per machine like `cost_curve`;
+    non-decreasing in N (`monotone`)."""
+    sizes = [n for n in cfg.sizes if n == 1 or batch * n <= cfg.batch_max_tokens]
+    fp = fingerprint(target)
+    key = hashlib.sha256(json.dumps([fp, batch, sizes, cfg.refresh_repeats, cfg.prompt_len], sort_keys=True)
+                         .encode()).hexdigest()[:16]
+    path = cache_dir() / "cost" / f"batch_{key}.json"
+    if cache and path.is_file():
+        try:
+            return monotone({int(k): float(v) for k, v in json.loads(path.read_text())["verify_ms"].items()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    curve = batch_verify_ms(target, batch, sizes, cfg.refresh_repeats, cfg.prompt_len)
+    if cache:
+        write_json(path, {"fingerprint": fp, "batch": batch, "verify_ms": curve})
+    return monotone(curve)
+
+
+def interpolate_batch(curves: dict[int, dict[int, float]], rows: int) -> dict[int, float]:
+    """The verify curve {N: ms} at `rows` live rows, linear between the two measured batch sizes around it
+    (`curves`: batch size -> curve; beyond the largest: proportional to the rows)."""
+    bs = sorted(curves)
+    lo = max((b for b in bs if b <= rows), default=bs[0])
+    hi = min((b for b in bs if b >= rows), default=bs[-1])
+    ns = sorted(set(curves[lo]) & set(curves[hi]))
+    if lo == hi:
+        scale = rows / lo if rows > lo else 1.0
+        return {n: curves[lo][n] * scale for n in ns}
+    f = (rows - lo) / (hi - lo)
+    return {n: curves[lo][n] + f * (curves[hi][n] - curves[lo][n]) for n in ns}

@@ -67,9 +67,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dart-lab", description="DART speculative decoding lab")
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from one prompt")
+    g = sub.add_parser("generate", help="generate text from one prompt, or several decoded together")
     g.add_argument("--method", default="ar", help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch decoded together")
+    g.add_argument("--prompts-file", default="", help="one prompt per line, all decoded together (with --prompt's)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_generation_args(g)
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=BenchConfig.warmup)
     b.add_argument("--repeats", type=int, default=BenchConfig.repeats,
                    help="T=0: run each prompt this many times per method, count the fastest (a noisy host)")
+    b.add_argument("--batch-size", default="1", help="comma list of batch sizes, e.g. 1,2,4,8,16: prompts decoded "
+                   "together (the paper's Tables 5-7); the first fills the table, every size the JSON's by_batch")
     b.add_argument("--out", required=True, help="output JSON file")
     b.add_argument("--no-progress", action="store_true")
     _add_generation_args(b)
@@ -155,13 +158,39 @@ def _options(args) -> MethodOptions:
     return from_fields(MethodOptions, args)
 
 
-def cmd_generate(args) -> int:
-    if not args.prompt.strip():
+def _prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            prompts += [ln for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
+        except OSError as e:
+            raise DartLabError(f"cannot read --prompts-file {args.prompts_file}: {e.strerror}") from None
+    if not prompts:
+        raise DartLabError("no prompt given: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    if any(not p.strip() for p in prompts):
         raise DartLabError("prompt is empty")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    prompts = _prompts(args)
     cfg = from_fields(GenerationConfig, args)
     target = load_target(args.target, device=args.device, dtype=args.dtype, compile=args.compile)
     runner = make_runner(args.method, target, _options(args))
-    res = runner.generate(target.encode_prompt(args.prompt, chat=not args.no_chat_template), cfg)
+    ids = [target.encode_prompt(p, chat=not args.no_chat_template) for p in prompts]
+    if len(ids) > 1:
+        res = runner.generate_batch(ids, cfg)
+        if args.json:
+            print(json.dumps({"texts": [r.text for r in res.rows], "new_tokens": [r.new_tokens for r in res.rows],
+                              "tokens_per_s": round(res.tokens_per_s, 3), "batch_size": len(ids),
+                              "prefill_s": res.prefill_s, "decode_s": res.decode_s,
+                              "stop_reasons": [r.stop_reason for r in res.rows], "method": res.method,
+                              "target": args.target, "dtype": str(target.dtype), "device": str(target.device),
+                              "config": res.config}))
+        else:
+            print("\n\n".join(f"[{i}] {r.text}" for i, r in enumerate(res.rows)))
+        return 0
+    res = runner.generate(ids[0], cfg)
     if args.json:
         print(json.dumps({"text": res.text, "new_tokens": res.new_tokens, "tokens_per_s": round(res.tokens_per_s, 3),
                           "tau": res.tau, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
@@ -172,14 +201,28 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _batch_sizes(text: str) -> tuple:
+    try:
+        sizes = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise DartLabError(f"--batch-size takes a comma list of integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise DartLabError(f"--batch-size takes integers >= 1, got {text!r}")
+    return sizes
+
+
 def cmd_bench(args) -> int:
     g = from_fields(GenerationConfig, args)
     cfg = BenchConfig(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), dataset=args.dataset,
                       num_prompts=args.num_prompts, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                       top_p=g.top_p, top_k=g.top_k, seed=g.seed, warmup=args.warmup, repeats=args.repeats, model=args.target,
-                      device=args.device, dtype=args.dtype, compile=args.compile, options=_options(args))
+                      device=args.device, dtype=args.dtype, compile=args.compile, options=_options(args),
+                      batch_sizes=_batch_sizes(args.batch_size))
     res = run_bench(cfg, args.out, progress=not args.no_progress)
     print(format_table(res))
+    for B, block in res.get("by_batch", {}).items():
+        if B != str(cfg.batch_sizes[0]):
+            print(f"\nbatch size {B}\n" + format_table({"methods": block["methods"]}))
     load = res["machine_load"]
     if load["contended"]:
         print(f"WARNING: contended run: other processes used {load['others_cores']:.2f} cores on average; "
@@ -269,6 +312,8 @@ def format_table(res: dict) -> str:
     for m, d in res["methods"].items():
         budget = res.get("drafters", {}).get(m, {}).get("tree_budget")
         theta = "-" if budget is None else ("AR" if budget["fallback_to_ar"] else str(budget["theta"]))
+        if "by_batch" in res or budget is None and d.get("theta_range"):  # batches: the thetas the runs chose
+            theta = "-" if not d.get("theta_range") else "-".join(str(v) for v in sorted(set(d["theta_range"])))
         lines.append(f"{m:<14}{f(d['tokens_per_s'], 1):>8}{f(d.get('speedup_vs_ar')):>9}{f(d['tau']):>7}{theta:>7}"
                      f"{f(d['draft_ms'], 1):>10}{f(d['search_ms'], 1):>11}{f(d['verify_ms'], 1):>11}{f(d.get('match_ar')):>10}")
     return "\n".join(lines)

@@ -633,6 +633,7 @@ class CopyOrAR(Drafter):
         self.drafter, self.verify_ms = drafter, verify_ms
         self.ar_speed = 1.0 / interpolate(verify_ms, 1)  # tokens per ms of a one-token step
         self.name = drafter.name
+        self.copy_only_steps = 0
 
     def begin(self, target, ids, aux):
         self.drafter.begin_copies(ids)

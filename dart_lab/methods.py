@@ -19,8 +19,9 @@ import torch
 
 from .assets import cache_dir, resolve_hub
 from .atomic import write_json
-from .budget import (CALIBRATION_PROMPTS, BudgetConfig, calibration_key, choose_budget, cost_curve, curve_at,
-                     interpolate, overhead_at)
+from .batch import BatchResult, generate_batch, hf_generate_batch
+from .budget import (CALIBRATION_PROMPTS, BudgetConfig, batch_cost_curve, calibration_key, choose_budget, cost_curve,
+                     curve_at, interpolate, interpolate_batch, overhead_at)
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
 from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
@@ -190,8 +191,11 @@ class Runner:
     generation from the acceptance it observed (steps at budget b inform every theta <= b)."""
 
     def __init__(self, name: str, target, drafter: Drafter | None = None, hf: bool = False,
-                 hf_lookup: int | None = None, auto_budget: bool = False):
+                 hf_lookup: int | None = None, auto_budget: bool = False, new_drafter: Callable | None = None):
         self.name, self.target, self.drafter, self.hf, self.hf_lookup = name, target, drafter, hf, hf_lookup
+        self.new_drafter = new_drafter  # () -> another drafter of this method (the rows of a batch)
+        self._row_drafters: list[Drafter] = []
+        self._batch_costs: dict[int, dict[int, float]] = {}  # batch size -> verify ms by nodes per row
         self.budget: dict | None = None  # greedy decoding's theta (and sampling's: budget_sampled)
         self.budget_sampled: dict | None = None
         self._observed_sampled: list = []
@@ -377,6 +381,66 @@ class Runner:
                                                                 "context") + (("probe",) if "probe" in budget else ())}
         return res
 
+    # -- batches (batch.py): one drafter per row, theta per live-row count
+    def generate_batch(self, prompts, cfg: GenerationConfig = GenerationConfig()) -> BatchResult:
+        """Decode `prompts` together (`batch.generate_batch`); row 0 drafts with this runner's drafter,
+        the others with drafters of the same method (`new_drafter`), kept for later batches. With the
+        automatic budget, theta is chosen for the batch's live rows (`_batch_policy`)."""
+        if self.hf:
+            return hf_generate_batch(self.target, prompts, cfg, self.hf_lookup, name=self.name)
+        drafters = None
+        if self.drafter is not None:
+            while len(self._row_drafters) < len(prompts) - 1:
+                self._row_drafters.append(self.new_drafter())
+            drafters = [self.drafter] + self._row_drafters[:len(prompts) - 1]
+        policy = self._batch_policy(prompts, cfg, drafters) if self.budget is not None else None
+        res = generate_batch(self.target, prompts, drafters, cfg, policy, name=self.name)
+        if policy is not None:
+            res.config["tree_budget_by_rows"] = {str(r): {k: ch[k] for k in ("theta", "expected_speedup_vs_ar",
+                                                                            "fallback_to_ar")}
+                                                 for r, ch in sorted(policy.chosen.items())}
+        return res
+
+    def batch_curve(self, rows: int) -> dict[int, float]:
+        """Verify ms of one step over `rows` rows by nodes per row: the measured surface t(B, N)
+        (`budget.batch_cost_curve` at the batch sizes around `rows`), interpolated in B."""
+        sizes = BudgetConfig().batch_sizes
+        lo = max((b for b in sizes if b <= rows), default=sizes[0])
+        hi = min((b for b in sizes if b >= rows), default=sizes[-1])
+        for b in {lo, hi}:
+            if b not in self._batch_costs:
+                self._batch_costs[b] = batch_cost_curve(self.target, b)
+        return interpolate_batch({b: self._batch_costs[b] for b in {lo, hi}}, rows)
+
+    def _batch_policy(self, prompts, cfg: GenerationConfig, drafters):
+        """live rows -> (theta, verify curve): tau(theta) per row from this runner's calibration, the step
+        priced by the batched surface at that many rows (grown to the batch's mean context as the batch-1
+        curve grows) plus every row's drafting + search, each row's tokens counted:
+            expected speed(theta) = rows * tau(theta) / (t(rows, theta + 1) + rows * t_draft(theta)).
+        Re-chosen whenever rows finish; theta 0 = batched AR steps."""
+        sampled = not cfg.greedy
+        if sampled and self.budget_sampled is None:
+            self._choose(sampled=True)
+        tau = (self.budget_sampled if sampled else self.budget)["tau_by_theta"]
+        for rows in range(1, len(prompts) + 1):  # time the surface now, not inside the timed decode
+            self.batch_curve(rows)
+        context = statistics.fmean(len(p) for p in prompts) + cfg.max_new_tokens // 2
+        short, long = self.cost["verify_ms"], curve_at(self.cost, context)
+        grow = {n: long[n] / short[n] for n in short}
+
+        def policy(rows: int):
+            if rows not in policy.chosen:
+                curve = {n: ms * interpolate(grow, n) for n, ms in self.batch_curve(rows).items()}
+                chosen = choose_budget(tau, curve, lambda th: rows * self.overhead_ms(th))
+                if chosen["theta"]:
+                    for d in drafters:
+                        d.set_cost_model(curve, self.overhead_ms(chosen["theta"]), tau)
+                policy.chosen[rows] = {**chosen, "curve": curve}
+            return policy.chosen[rows]["theta"], policy.chosen[rows]["curve"]
+
+        policy.chosen = {}
+        return policy
+
     def config(self) -> dict:
         out = self.drafter.config() if self.drafter is not None else {"name": self.name}
         if self.hf_lookup:
@@ -445,5 +509,6 @@ def make_runner(name: str, target, opts: MethodOptions = MethodOptions(), cache:
     """Method `name` bound to `target`, ready to `generate`."""
     m = get_method(name)
     auto = m.budgeted and tree_budget(opts) is None
+    cache = {} if cache is None else cache
     return Runner(name, target, make_drafter(name, target, opts, cache), hf=m.hf, hf_lookup=m.hf_lookup,
-                  auto_budget=auto)
+                  auto_budget=auto, new_drafter=lambda: make_drafter(name, target, opts, cache))
