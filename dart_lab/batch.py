@@ -292,14 +292,36 @@ def _finished(row: _Row, emitted: list[int], lens: int, target: Target, cfg: Gen
     return False
 
 
+_AR = Drafter()  # proposes the root alone
+
+
+def _batched_head_forward(proposers: list[Drafter], ids: list[list[int]]) -> tuple[dict[int, torch.Tensor], float]:
+    """Step 1's head forward, once for every row whose drafter wants one this step (`Drafter.wants_head`),
+    grouped by head and number of masks (`drafters.draft_logits_batch`). Returns {row: its logits} and
+    the forward's ms per row (each row's draft_ms carries its share). A single such row drafts alone."""
+    from .drafters import draft_logits_batch
+
+    want = [i for i, p in enumerate(proposers) if p.wants_head(ids[i])]
+    if len(want) < 2:
+        return {}, 0.0
+    t0 = time.perf_counter()
+    groups: dict = {}
+    for i in want:
+        groups.setdefault((id(proposers[i].head), proposers[i].n_masks()), []).append(i)
+    out = {}
+    for rows in groups.values():
+        out.update(zip(rows, draft_logits_batch([proposers[i] for i in rows])))
+    return out, (time.perf_counter() - t0) * 1e3 / len(want)
+
+
 @torch.no_grad()
 def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None = None,
                    cfg: GenerationConfig = GenerationConfig(), policy=None, name: str | None = None) -> BatchResult:
     """Decode `prompts` (each (T_b,) token ids) together; drafters[b] drafts for row b (None: AR for all).
 
     policy (optional): live rows -> (theta, verify curve) from the automatic budget at that batch size
-    (`methods.Runner.generate_batch`); theta 0 = no tree pays: each row proposes what its drafter can
-    without a tree (`Drafter.without_tree`, else the root alone) while its drafter keeps observing, so its
+    (`methods.Runner.generate_batch`); theta 0 = no tree pays: batched AR steps (a last row alone: what
+    its drafter can do without a tree, `Drafter.without_tree`) while every drafter keeps observing, so its
     state (the head's cache) stays whole. Steps: 1. draft, 2. verify (one forward), 3. accept, 4. compact."""
     B = len(prompts)
     drafters = drafters or [Drafter() for _ in range(B)]
@@ -337,12 +359,18 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
                         rows[b].fallback = rows[b].drafter.without_tree(curve) or Drafter()
         # 1. draft: each live row proposes its tree (rooted at its last token)
         ta = time.perf_counter()
+        # theta 0: one row alone does what its drafter can without a tree (dart-ctx: copy or AR); with several,
+        # plain AR steps -- one row's copy would pad every row's step to its length
+        proposers = [rows[b].drafter if policy is None or theta else rows[b].fallback if len(live) == 1 else _AR
+                     for b in live]
+        logits, shared_ms = _batched_head_forward(proposers, [rows[b].ids for b in live])
         trees = []
         for i, b in enumerate(live):
-            row = rows[b]
-            proposer = row.fallback if (policy is not None and not theta) else row.drafter
+            row, proposer = rows[b], proposers[i]
             proposer.last_timing = {}
-            tree = proposer.propose(row.ids)
+            tree = proposer.propose(row.ids, logits[i]) if i in logits else proposer.propose(row.ids)
+            if i in logits:  # the batched head forward's time, shared out over its rows
+                proposer.last_timing["draft_ms"] = proposer.last_timing.get("draft_ms", 0.0) + shared_ms
             if int(tree.tokens[0]) != row.ids[-1]:
                 raise RuntimeError(f"drafter {row.drafter.name} returned a tree whose root is not the last token")
             if bt.lens[i] + int(tree.depths.max()) + 1 > target.max_context:

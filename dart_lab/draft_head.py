@@ -171,7 +171,8 @@ class Attention(nn.Module):
         self.qkv = None  # inference: q|k|v as one fused projection (fast_llama.PackedProjection), set by the drafter
 
     def forward(self, x, positions, mask, past_kv=None):
-        """x (B, T, 2H); positions (T,); mask (T, S) bool (True = attend) or None for causal;
+        """x (B, T, 2H); positions (T,) or (B, T); mask (T, S) or (B, 1, T, S) bool (True = attend) or None
+        for causal;
         past_kv: (k, v) each (B, nkv, P, hd). Returns out (B, T, H), new (k, v) of the T inputs."""
         B, T, _ = x.shape
         if self.qkv is not None:
@@ -182,6 +183,8 @@ class Attention(nn.Module):
         k = k.reshape(B, T, self.nkv, self.hd).transpose(1, 2)
         v = v.reshape(B, T, self.nkv, self.hd).transpose(1, 2)
         cos, sin = rope_lookup(positions, self.hd, self.theta, q.dtype)
+        if positions.dim() == 2:  # per-row positions (B, T): a batch of rows at different lengths
+            cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = (k, v)
         if past_kv is not None and past_kv[0].shape[-2] > 0:
@@ -332,8 +335,9 @@ class DartHead(HeadBase):
                 past_kv=None, n_masks: int | None = None, attn_mask: torch.Tensor | None = None,
                 return_all: bool = False, return_hidden: bool = False):
         """aux (B, n, 3H') target aux states; next_ids (B, n) the token AFTER each position (shift);
-        positions (n + n_masks,) RoPE ids; past_kv: cached prefix (k, v) or None.
-        attn_mask: (n + m, P + n + m) bool, default causal (training passes its block mask).
+        positions (n + n_masks,) RoPE ids, or (B, n + n_masks) per row; past_kv: cached prefix (k, v) or None.
+        attn_mask: (n + m, P + n + m) bool, or (B, 1, n + m, P + n + m) per row, default causal (training
+        passes its block mask; a batch of drafters its padding, `drafters.draft_logits_batch`).
         Returns logits (B, 1 + n_masks, Vd) for the last prefix position and the masks (or for every
         position if return_all; the final-normed hidden states instead if return_hidden), and the
         (k, v) of the n prefix positions to append to the cache. An unshifted head (Table 3 ablation)

@@ -83,20 +83,29 @@ class DartDrafter(HeadDrafter):
         if name:
             self.name = name
 
-    @torch.no_grad()
-    def draft_logits(self) -> torch.Tensor:
-        """(draft_length + 1, Vd) logits for levels 0..draft_length; feeds the pending prefix."""
+    def n_masks(self) -> int:
+        """MASK positions of this budget's head forward."""
         m = self.head.cfg.n_masks
         if self.search.max_nodes:  # exact: masks beyond the deepest level a tree of this budget can hold
             m = min(m, self.search.max_nodes - (1 if self.head.cfg.shifted else 0))
+        return m
+
+    @torch.no_grad()
+    def draft_logits(self) -> torch.Tensor:
+        """(draft_length + 1, Vd) logits for levels 0..draft_length; feeds the pending prefix."""
+        m = self.n_masks()
         aux, nxt, positions = self.feed_inputs(m)
         logits, kv = self.head(aux, nxt, positions, past_kv=self.kv, n_masks=m)
         self.keep_prefix_kv(kv)
         return logits[0]
 
-    def propose(self, ids):
+    def wants_head(self, ids) -> bool:
+        return True
+
+    def propose(self, ids, logits: torch.Tensor | None = None):
+        """The tree for this step; `logits` = this drafter's `draft_logits()` computed in a batch."""
         t0 = time.perf_counter()
-        logits = self.draft_logits()
+        logits = self.draft_logits() if logits is None else logits
         logp, toks = topk_levels(logits, self.search.topk, self._d2t)  # host copy = sync point
         t1 = time.perf_counter()
         tree = tree_search(logp, toks, ids, self.ngram, self.search, self.eos)
@@ -218,6 +227,43 @@ class SPSDrafter(Drafter):
 
     def config(self) -> dict:
         return {"name": self.name, "draft_len": self.draft_len, "draft_model": self.draft.name}
+
+
+@torch.no_grad()
+def draft_logits_batch(drafters: list[DartDrafter]) -> list[torch.Tensor]:
+    """`draft_logits()` of several rows' DART drafters in ONE head forward (the same head and number of
+    masks; batch.py). Row b's pending n_b positions are left-padded to the longest, so every row's last
+    prefix position and its masks sit at the same indices; its cached prefix (P_b positions) is padded to
+    the longest cache. A row attends to its own cache, its own pending positions (causally) and its masks;
+    a pad position to itself only. Each drafter's cache then gains its own n_b positions."""
+    head, m = drafters[0].head, drafters[0].n_masks()
+    feeds = [d.feed_inputs(m) for d in drafters]  # aux (1, n_b, 3H), next ids (1, n_b), positions (n_b + m,)
+    B, dev = len(drafters), feeds[0][0].device
+    ns = [f[0].shape[1] for f in feeds]
+    Ps = [d.n_cached for d in drafters]
+    n, P = max(ns), max(Ps)
+    T = n + m
+    aux = feeds[0][0].new_zeros(B, n, feeds[0][0].shape[-1])
+    nxt = torch.zeros(B, n, dtype=torch.long, device=dev)
+    pos = torch.zeros(B, T, dtype=torch.long, device=dev)
+    q, k = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None]
+    mask = torch.zeros(B, 1, T, P + T, dtype=torch.bool, device=dev)
+    kv_dtype = next((d.kv[0].dtype for d in drafters if d.kv is not None), aux.dtype)
+    shape = next((d.kv[0].shape for d in drafters if d.kv is not None), None)
+    past = None
+    if shape is not None:
+        past = tuple(torch.zeros(B, shape[1], P, shape[3], dtype=kv_dtype, device=dev) for _ in range(2))
+    for b, (d, (a, x, p)) in enumerate(zip(drafters, feeds)):
+        off = n - ns[b]
+        aux[b, off:], nxt[b, off:], pos[b, off:], pos[b, :off] = a[0], x[0], p, Ps[b]
+        mask[b, 0, :, :Ps[b]] = True
+        mask[b, 0, :, P:] = (k <= q) & ((k >= off) | (k == q))
+        if d.kv is not None:
+            past[0][b, :, :Ps[b]], past[1][b, :, :Ps[b]] = d.kv[0][0], d.kv[1][0]
+    logits, kv = head(aux, nxt, pos, past_kv=past, n_masks=m, attn_mask=mask)
+    for b, d in enumerate(drafters):
+        d.keep_prefix_kv((kv[0][b:b + 1, :, n - ns[b]:], kv[1][b:b + 1, :, n - ns[b]:]))
+    return list(logits)
 
 
 @dataclass(frozen=True)
@@ -585,16 +631,20 @@ class ContextDrafter(DartDrafter):
             extra += len(chain)
         return paths, extra
 
-    def propose(self, ids):
+    def wants_head(self, ids) -> bool:
+        chain, p = self._offer_copy(ids)
+        return not (chain and self._copy_only_pays(len(chain), p))
+
+    def propose(self, ids, logits: torch.Tensor | None = None):
         t0 = time.perf_counter()
         chain, p = self._offer_copy(ids)
-        if chain and self._copy_only_pays(len(chain), p):
+        if logits is None and chain and self._copy_only_pays(len(chain), p):
             self._tree_step = False
             self.copy_only_steps += 1
             self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0, "copy_only": True}
             return Tree.from_paths(ids[-1], [chain])
         self._tree_step = True
-        logits = self.draft_logits()
+        logits = self.draft_logits() if logits is None else logits
         logp, toks = topk_levels(logits, self.search.topk, self._d2t)
         t1 = time.perf_counter()
         ngram = self.ngram

@@ -48,6 +48,11 @@ class Drafter:
     def observe(self, ids: list[int], aux: torch.Tensor | None) -> None:
         pass
 
+    def wants_head(self, ids: list[int]) -> bool:
+        """Batches (batch.py): whether this step's `propose(ids)` runs a DART head forward, which a batch
+        runs once for all such rows (`drafters.draft_logits_batch`) and hands in as `propose(ids, logits)`."""
+        return False
+
     def draft_cost_scale(self, nodes: int, widest: int) -> float:
         """Drafting + search time with a budget of `nodes`, as a fraction of its time at `widest`
         (the calibration budget); the automatic budget (methods.Runner) prices each theta with it."""

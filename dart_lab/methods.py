@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,10 +26,11 @@ from .budget import (CALIBRATION_PROMPTS, BudgetConfig, batch_cost_curve, calibr
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
 from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
-                       SPSDrafter)
+                       SPSDrafter, draft_logits_batch)
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, generate, hf_generate
 from .loading import load_target
+from .target import sync
 from .ngram import NGram, build_ngram
 from .search import TreeSearchConfig
 
@@ -196,6 +198,7 @@ class Runner:
         self.new_drafter = new_drafter  # () -> another drafter of this method (the rows of a batch)
         self._row_drafters: list[Drafter] = []
         self._batch_costs: dict[int, dict[int, float]] = {}  # batch size -> verify ms by nodes per row
+        self._head_ms: dict[int, float] = {}  # rows -> ms of one batched DART head forward (head_batch_ms)
         self.budget: dict | None = None  # greedy decoding's theta (and sampling's: budget_sampled)
         self.budget_sampled: dict | None = None
         self._observed_sampled: list = []
@@ -412,6 +415,33 @@ class Runner:
                 self._batch_costs[b] = batch_cost_curve(self.target, b)
         return interpolate_batch({b: self._batch_costs[b] for b in {lo, hi}}, rows)
 
+    @torch.no_grad()
+    def head_batch_ms(self, rows: int, repeats: int = 5) -> dict[int, float] | None:
+        """{1: ms, rows: ms} of one DART head forward for a single row and for `rows` rows together
+        (`drafters.draft_logits_batch`; two new positions per row after 128 cached, the full masks), timed
+        here once per size; None for drafters without a batched head forward (EAGLE-3, pld, ...)."""
+        if self.drafter is None or not isinstance(self.drafter, DartDrafter) or self.new_drafter is None:
+            return None
+        for n in {1, rows} - set(self._head_ms):
+            ds = [self.new_drafter() for _ in range(n)]
+            g = torch.Generator().manual_seed(0)
+            H3, dev = 3 * self.target.hidden_size, self.target.device
+            for d in ds:
+                d.begin(self.target, torch.randint(3, 1000, (129,), generator=g).tolist(),
+                        torch.randn(128, H3, generator=g).to(dev, self.target.dtype))
+            times = []
+            for r in range(repeats + 1):  # round 0 feeds the 128-token prefix and warms up
+                sync(dev)
+                t0 = time.perf_counter()
+                draft_logits_batch(ds) if n > 1 else ds[0].draft_logits()
+                sync(dev)
+                if r:
+                    times.append((time.perf_counter() - t0) * 1e3)
+                for d in ds:
+                    d.observe([5, 6], torch.randn(2, H3, generator=g).to(dev, self.target.dtype))
+            self._head_ms[n] = statistics.median(times)
+        return self._head_ms
+
     def _batch_policy(self, prompts, cfg: GenerationConfig, drafters):
         """live rows -> (theta, verify curve): tau(theta) per row from this runner's calibration, the step
         priced by the batched surface at that many rows (grown to the batch's mean context as the batch-1
@@ -424,6 +454,7 @@ class Runner:
         tau = (self.budget_sampled if sampled else self.budget)["tau_by_theta"]
         for rows in range(1, len(prompts) + 1):  # time the surface now, not inside the timed decode
             self.batch_curve(rows)
+            self.head_batch_ms(rows)
         context = statistics.fmean(len(p) for p in prompts) + cfg.max_new_tokens // 2
         short, long = self.cost["verify_ms"], curve_at(self.cost, context)
         grow = {n: long[n] / short[n] for n in short}
@@ -431,7 +462,12 @@ class Runner:
         def policy(rows: int):
             if rows not in policy.chosen:
                 curve = {n: ms * interpolate(grow, n) for n, ms in self.batch_curve(rows).items()}
-                chosen = choose_budget(tau, curve, lambda th: rows * self.overhead_ms(th))
+                head = self.head_batch_ms(rows)
+                if head is None:  # every row drafts on its own
+                    over = lambda th: rows * self.overhead_ms(th)  # noqa: E731
+                else:  # one head forward for the batch, the search (and the rest) per row
+                    over = lambda th: head[rows] + rows * max(self.overhead_ms(th) - head[1], 0.0)  # noqa: E731
+                chosen = choose_budget(tau, curve, over)
                 if chosen["theta"]:
                     for d in drafters:
                         d.set_cost_model(curve, self.overhead_ms(chosen["theta"]), tau)

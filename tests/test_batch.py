@@ -102,3 +102,33 @@ def test_sampling_rows_follow_the_target_law():
             samples[b].append(tuple(r.tokens))
     for b in range(2):
         assert chi2_pvalue(samples[b], laws[b]) > 1e-3, b
+
+
+def test_batched_head_forward_equals_each_drafter_alone():
+    """One DART head forward for several rows (left-padded pending positions, padded caches) gives each
+    row the logits and the head cache its drafter computes alone."""
+    from dart_lab.drafters import DartDrafter, draft_logits_batch
+    from dart_lab.methods import random_head
+
+    target = tiny_target("llama", runner="fast")
+    head = random_head(target, "dart")
+    g = torch.Generator().manual_seed(3)
+    H3 = 3 * target.hidden_size
+    alone, batched = [DartDrafter(head) for _ in range(3)], [DartDrafter(head) for _ in range(3)]
+    for b, n in enumerate((5, 9, 2)):  # prompts of different lengths
+        ids = torch.randint(2, target.vocab_size, (n,), generator=g).tolist()
+        aux = torch.randn(n, H3, generator=g)
+        for d in (alone[b], batched[b]):
+            d.begin(target, ids, aux)
+    for step, accepted in enumerate(((1, 3, 2), (4, 1, 1))):  # then different accepted lengths per row
+        want = [d.draft_logits() for d in alone]
+        got = draft_logits_batch(batched)
+        for b in range(3):
+            torch.testing.assert_close(got[b], want[b], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(batched[b].kv[0], alone[b].kv[0], atol=1e-5, rtol=1e-5)
+            assert batched[b].n_cached == alone[b].n_cached
+        for b, k in enumerate(accepted):
+            ids = torch.randint(2, target.vocab_size, (k + 4,), generator=g).tolist()
+            aux = torch.randn(k, H3, generator=g)
+            alone[b].observe(ids, aux)
+            batched[b].observe(ids, aux)
