@@ -45,13 +45,15 @@ test: $(STAMP)
 screenshot: $(STAMP)
 	DART_LAB_SCREENSHOT_DIR=docs $(BIN)/python -m pytest -q tests/test_browser.py -p no:cacheprovider
 
-# the embedded reproduction measured on THIS machine: Tables 1-4 + Figure 1 in reproduce/results/local/embedded/<machine>/
+# the embedded reproduction measured on THIS machine: Tables 1-7 + Figure 1 in reproduce/results/local/embedded/<machine>/
 # (outside git), beside the stored reference run of reproduce/results/embedded; progress per cell and prompt
 reproduce: $(STAMP)
 	cd reproduce && ../$(BIN)/papermill --log-output run_all.ipynb results/run_all.embedded.ipynb -p preset embedded \
-	  -p num_prompts $(NUM_PROMPTS) -p max_new_tokens $(MAX_NEW_TOKENS) --cwd .
+	  -p num_prompts $(NUM_PROMPTS) -p max_new_tokens $(MAX_NEW_TOKENS) -p batch_grid $(BATCH_GRID) --cwd .
 
 NUM_PROMPTS ?= 5
+# Tables 5-7: small = batch 1-8 on 8 prompts; full = the preset's grid on 16 prompts
+BATCH_GRID ?= small
 MAX_NEW_TOKENS ?= 64
 
 bench: $(STAMP)

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import platform
-import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +44,7 @@ from .atomic import write_json
 from .data import load_prompts
 from .errors import DartLabError
 from .loading import load_target
+from .machine import cpu_counters, machine_load, memory_read_gbs, weight_bytes
 from .methods import MethodOptions, get_method, make_runner
 
 WARMUP_PROMPT = "Say hello and introduce yourself in one sentence."
@@ -112,35 +112,9 @@ def machine_info(target) -> dict:
     return info
 
 
-CONTENDED_CORES = 0.15  # other processes' average CPU use (in cores) above which a run is marked contended
 # top-1 minus top-2 logit under which a low-precision divergence from AR counts as a near-tie that
 # rounding explains (bf16 keeps ~3 significant digits; logits of ~20 move by tenths through 30 layers)
 NEAR_TIE_LOGITS = 1.0
-
-
-def _cpu_counters() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process and its children)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    mine = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        busy = (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
-    except (OSError, ValueError, IndexError):
-        busy = float("nan")
-    return busy, mine
-
-
-def machine_load(start: tuple[float, float], wall_s: float) -> dict:
-    """How busy the machine was with OTHER work during a run (same code measured 0.75x AR idle and
-    2.40x AR beside a training job: contention flattens the cost curve). A contended run is marked."""
-    busy, mine = _cpu_counters()
-    others = max(0.0, (busy - start[0]) - (mine - start[1]))
-    cores = others / max(wall_s, 1e-9)
-    return {"wall_s": round(wall_s, 2), "own_cpu_s": round(mine - start[1], 2), "others_cpu_s": round(others, 2),
-            "others_cores": round(cores, 3), "own_cpu_per_wall": round((mine - start[1]) / max(wall_s, 1e-9), 3),
-            "loadavg": list(os.getloadavg()), "contended": bool(cores > CONTENDED_CORES)}
 
 
 def _divergence(row: dict, res, ar) -> None:
@@ -302,7 +276,8 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                 rows.append(rec["row"])
     done = {(r["prompt_id"], r["method"], r.get("repeat", 0)) for r in rows}
 
-    load0, t_run = _cpu_counters(), time.perf_counter()
+    read_gbs = memory_read_gbs(device=target.device)  # before the timed runs: about a second
+    load0, t_run = cpu_counters(), time.perf_counter()
     # warm-up: every method, discarded
     wids = target.encode_prompt(WARMUP_PROMPT)
     for _ in range(cfg.warmup):
@@ -343,7 +318,8 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     single = [r for r in rows if "batch_size" not in r]
     if single:
         by_batch = {"1": {"methods": aggregate(fastest_pass(single), order, greedy)}, **by_batch}
-    result = {"config": asdict(cfg), "config_key": key, "machine": machine_info(target),
+    result = {"config": asdict(cfg), "config_key": key,
+              "machine": {**machine_info(target), "memory_read_gbs": round(read_gbs, 2)},
               "drafters": {m: r.config() for m, r in runners.items()},
               "aggregation": ("each (prompt, method) counted by the fastest of its "
                               f"{cfg.repeats} passes; " if cfg.repeats > 1 else "") +
@@ -358,6 +334,12 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
         result["aggregation"] += ("; batches: the prompts in consecutive groups of B decoded together, tokens_per_s ="
                                   " every row's new tokens / the batch's wall time (prefill included), tau per row-step,"
                                   " verify_ms per batch step, match_ar = every row equals batched AR's row")
+    ar_ms = (by_batch.get("1", {}).get("methods", {}).get("ar") or {}).get("verify_ms")
+    if ar_ms:  # how close the one-token step is to reading the weights at the machine's read bandwidth
+        step_gbs = weight_bytes(target.model) / (ar_ms / 1e3) / 1e9
+        result["step_vs_memory"] = {"ar_step_ms": round(ar_ms, 2), "weight_mb": round(weight_bytes(target.model) / 1e6, 1),
+                                    "weight_read_gbs": round(step_gbs, 2), "memory_read_gbs": round(read_gbs, 2),
+                                    "fraction_of_read_bandwidth": round(step_gbs / read_gbs, 3)}
     if cfg.repeats > 1:
         result["methods_first_pass"] = aggregate([r for r in single if r.get("repeat", 0) == 0], order, greedy)
     write_json(out, result)

@@ -28,6 +28,7 @@ import torch
 
 from .assets import cache_dir
 from .atomic import write_json
+from .machine import LoadMeter
 from .target import sync
 from .tree import Tree
 
@@ -134,23 +135,46 @@ def verify_samples(target, sizes, repeats: int = 7, prompt_len: int = 128) -> di
 
 
 def monotone(curve: dict[int, float]) -> dict[int, float]:
-    """The curve made non-decreasing in N (running minimum from the widest tree down). A bigger tree
-    cannot cost less; a noisy high reading at a small size (one calibration here read N=2 at 29.7 ms,
-    above N=4's 27.4) would otherwise price small trees out and send a method to AR fallback."""
-    out, low = {}, float("inf")
-    for n in sorted(curve, reverse=True):
-        low = min(low, curve[n])
-        out[n] = low
-    return dict(sorted(out.items()))
+    """The curve made non-decreasing in N, without letting one noisy size move the others. A bigger tree
+    cannot cost less, but readings are noisy both ways (one calibration read N=2 at 29.7 ms, above N=4's
+    27.4; one read the widest tree low, and a running minimum from the widest down then set every size,
+    and the per-token context growth of every size, to that reading). So: 1. a size that breaks the
+    order with a neighbour while its two neighbours agree with each other is a lone outlier and takes
+    that neighbour's value (an interior one first, from the readings; then the smallest size is lowered
+    to its neighbour when above it, the widest raised to its neighbour when below it); 2. what still
+    decreases is pooled into its mean (pool-adjacent-violators: the least-squares non-decreasing fit).
+    A clean rising curve is unchanged, and one far-off reading moves no other size."""
+    ns = sorted(curve)
+    raw = [float(curve[n]) for n in ns]
+    v = list(raw)
+    lone = {i for i in range(1, len(v) - 1) if raw[i - 1] <= raw[i + 1] and not raw[i - 1] <= raw[i] <= raw[i + 1]}
+    lone -= {j for i in lone for j in (i, i + 1) if i + 1 in lone}  # two neighbours out of order: no lone one
+    for i in lone:
+        v[i] = raw[i - 1] if raw[i] < raw[i - 1] else raw[i + 1]
+    if len(v) >= 3:
+        v[0] = min(v[0], v[1])
+        v[-1] = max(v[-1], v[-2])
+    blocks: list[list[float]] = []  # [sum, count] of pooled runs
+    for x in v:
+        blocks.append([x, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s_, c = blocks.pop()
+            blocks[-1][0] += s_
+            blocks[-1][1] += c
+    out = [b[0] / b[1] for b in blocks for _ in range(b[1])]
+    return dict(zip(ns, out))
 
 
-def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -> dict:
+def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True, refresh: bool = False) -> dict:
     """{"fingerprint", "verify_ms": {N: ms} after cfg.prompt_len committed tokens,
     "context_ms_per_token": {N: ms} the growth per committed token beyond that (from a second timing
     after cfg.long_prompt_len tokens; `curve_at`)} for this target and machine, measured and cached;
     both made non-decreasing in N (`monotone`). A cached curve is measured again at each load until
     `cfg.cost_measurements` measurements are merged, keeping each size's fastest reading (the host's
-    slow moments only ever add time)."""
+    slow moments only ever add time). A measurement taken while other processes kept the cores busy
+    (`machine.LoadMeter`) is used for this call only, never cached; a cached one carries its machine
+    load and time (`age_s`). refresh=True measures again and replaces the cached curve (`dart-lab
+    calibrate --refresh`)."""
     fp = fingerprint(target)
     # the long timing must fit the target's context (a small test model's may be 512 tokens)
     lens = {"short": cfg.prompt_len, "long": max(min(cfg.long_prompt_len, target.max_context - max(cfg.sizes) - 1),
@@ -158,28 +182,38 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -
     key = hashlib.sha256(json.dumps([fp, [cfg.sizes, cfg.repeats, cfg.prompt_len, lens["long"]]],
                                     sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "cost" / f"{key}.json"
-    saved, count = None, 0
+    saved, count, saved_meta = None, 0, {}
     if cache and path.is_file():
         try:
             d = json.loads(path.read_text())
             saved = {c: {int(k): float(v) for k, v in d["raw_verify_ms"][c].items()} for c in lens}
             count = int(d["measurements"])
+            saved_meta = {k: d.get(k) for k in ("machine_load", "measured_at")}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             saved, count = None, 0
-    if saved is None or count < cfg.cost_measurements:
-        raw = {c: measure_verify(target, cfg.sizes, cfg.repeats, n) for c, n in lens.items()}
-        if saved is not None and all(set(saved[c]) == set(raw[c]) for c in lens):
-            raw = {c: {n: min(raw[c][n], saved[c][n]) for n in raw[c]} for c in lens}
-        saved, count, fresh = raw, count + 1, True
-        if cache:
-            write_json(path, {"fingerprint": fp, "raw_verify_ms": raw, "prompt_lens": lens, "measurements": count})
+    load, measured_at = saved_meta.get("machine_load"), saved_meta.get("measured_at")
+    if refresh or saved is None or count < cfg.cost_measurements:
+        with LoadMeter() as meter:
+            raw = {c: measure_verify(target, cfg.sizes, cfg.repeats, n) for c, n in lens.items()}
+        load, measured_at, fresh = meter.load, time.time(), True
+        if load["contended"]:  # other work on the cores bends the curve: used for this run only, never cached
+            saved, count = raw, 0
+        else:
+            if saved is not None and not refresh and all(set(saved[c]) == set(raw[c]) for c in lens):
+                raw = {c: {n: min(raw[c][n], saved[c][n]) for n in raw[c]} for c in lens}
+            saved, count = raw, (1 if refresh else count + 1)
+            if cache:
+                write_json(path, {"fingerprint": fp, "raw_verify_ms": raw, "prompt_lens": lens, "measurements": count,
+                                  "machine_load": load, "measured_at": measured_at})
     else:
         fresh = False
     short = monotone(saved["short"])
     long = monotone({n: max(v, short[n]) for n, v in saved["long"].items()})
     per_token = monotone({n: (long[n] - short[n]) / max(lens["long"] - lens["short"], 1) for n in short})
     return {"fingerprint": fp, "verify_ms": short, "context_ms_per_token": per_token,
-            "prompt_len": cfg.prompt_len, "measurements": count, "cached": not fresh}
+            "prompt_len": cfg.prompt_len, "measurements": count, "cached": not fresh,
+            "contended": bool(load and load.get("contended")), "machine_load": load,
+            "age_s": round(time.time() - measured_at, 1) if measured_at else None}
 
 
 def curve_at(cost: dict, context: int) -> dict[int, float]:
@@ -287,9 +321,11 @@ def batch_cost_curve(target, batch: int, cfg: BudgetConfig = BudgetConfig(), cac
             return monotone({int(k): float(v) for k, v in json.loads(path.read_text())["verify_ms"].items()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
-    curve = batch_verify_ms(target, batch, sizes, cfg.refresh_repeats, cfg.prompt_len)
-    if cache:
-        write_json(path, {"fingerprint": fp, "batch": batch, "verify_ms": curve})
+    with LoadMeter() as meter:
+        curve = batch_verify_ms(target, batch, sizes, cfg.refresh_repeats, cfg.prompt_len)
+    if cache and not meter.load["contended"]:  # a contended measurement serves this run only
+        write_json(path, {"fingerprint": fp, "batch": batch, "verify_ms": curve, "machine_load": meter.load,
+                          "measured_at": time.time()})
     return monotone(curve)
 
 

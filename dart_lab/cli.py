@@ -18,7 +18,7 @@ from .config import GenerationConfig
 from .errors import DartLabError
 from .features import extract_features, online_features
 from .loading import load_target
-from .methods import METHODS, MethodOptions, load_head, make_runner, shipped_head
+from .methods import METHODS, MethodOptions, get_method, load_head, make_runner, shipped_head
 from .ngram import build_ngram
 from .regenerate import regenerate
 from .train import TrainConfig, evaluate_head, train_head
@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="output JSON file")
     b.add_argument("--no-progress", action="store_true")
     _add_generation_args(b)
+
+    c = sub.add_parser("calibrate", help="the automatic tree budget's measurements on this machine (cost curve, "
+                       "calibration): show them, or re-measure with --refresh")
+    c.add_argument("--methods", default="dart", help="comma list of budgeted methods (dart, dart-ctx, eagle3, ...)")
+    c.add_argument("--refresh", action="store_true", help="measure again now and replace the cached measurements "
+                   "(run it on an idle machine: a measurement taken while other work uses the cores is never cached)")
+    _add_target_args(c)
+    add_fields(c, MethodOptions)
 
     f = sub.add_parser("features", help="one target pass over ShareGPT: the feature cache for training")
     f.add_argument("--target", "--model", dest="target", default="smollm2-135m")
@@ -223,11 +231,37 @@ def cmd_bench(args) -> int:
     for B, block in res.get("by_batch", {}).items():
         if B != str(cfg.batch_sizes[0]):
             print(f"\nbatch size {B}\n" + format_table({"methods": block["methods"]}))
+    sm = res.get("step_vs_memory")
+    if sm:
+        print(f"one-token step: {sm['ar_step_ms']:.1f} ms for {sm['weight_mb']:.0f} MB of weights = "
+              f"{sm['weight_read_gbs']:.1f} GB/s, {100 * sm['fraction_of_read_bandwidth']:.0f} % of this machine's "
+              f"memory read bandwidth ({sm['memory_read_gbs']:.1f} GB/s)")
     load = res["machine_load"]
     if load["contended"]:
         print(f"WARNING: contended run: other processes used {load['others_cores']:.2f} cores on average; "
               "timings are not those of an idle machine")
     print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    opts = _options(args)
+    for m in (x.strip() for x in args.methods.split(",") if x.strip()):
+        if not get_method(m).budgeted:
+            raise DartLabError(f"method {m!r} has no tree budget to calibrate")
+        r = make_runner(m, target, opts, refresh=args.refresh)
+        if r.budget is None:
+            raise DartLabError(f"method {m!r}: the tree budget is fixed (--tree-nodes {opts.tree_nodes}), nothing to calibrate")
+        c, b = r.cost, r.budget
+        load = c.get("machine_load") or {}
+        print(f"{m}: theta {b['theta']} (expected {b['expected_speedup_vs_ar']:.2f}x AR"
+              f"{', AR fallback' if b['fallback_to_ar'] else ''}); verify ms by nodes "
+              + " ".join(f"{n}:{v:.1f}" for n, v in c["verify_ms"].items())
+              + f"; {'measured now' if not c['cached'] else 'cached'}"
+              + (f", {c['age_s'] / 3600:.1f} h old" if c.get("age_s") is not None else "")
+              + (f", others used {load['others_cores']:.2f} cores" if load else "")
+              + (" (CONTENDED: used for this run only, not cached)" if c.get("contended") else ""))
     return 0
 
 
@@ -323,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        cmds = {"generate": cmd_generate, "bench": cmd_bench, "features": cmd_features, "train": cmd_train,
+        cmds = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate, "features": cmd_features, "train": cmd_train,
                 "build-ngram": cmd_build_ngram, "regenerate": cmd_regenerate,
                 "eval-head": cmd_eval_head, "export-head": cmd_export_head}
         return cmds[args.command](args)

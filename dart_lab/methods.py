@@ -30,6 +30,7 @@ from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, generate, hf_generate
 from .loading import load_target
+from .machine import LoadMeter
 from .target import sync
 from .ngram import NGram, build_ngram
 from .search import TreeSearchConfig
@@ -193,7 +194,8 @@ class Runner:
     generation from the acceptance it observed (steps at budget b inform every theta <= b)."""
 
     def __init__(self, name: str, target, drafter: Drafter | None = None, hf: bool = False,
-                 hf_lookup: int | None = None, auto_budget: bool = False, new_drafter: Callable | None = None):
+                 hf_lookup: int | None = None, auto_budget: bool = False, new_drafter: Callable | None = None,
+                 refresh: bool = False):
         self.name, self.target, self.drafter, self.hf, self.hf_lookup = name, target, drafter, hf, hf_lookup
         self.new_drafter = new_drafter  # () -> another drafter of this method (the rows of a batch)
         self._row_drafters: list[Drafter] = []
@@ -205,35 +207,40 @@ class Runner:
         self._off_streak = 0  # consecutive generations whose verify times disagreed with the curve (signed)
         self._fallback_runs = {False: 0, True: 0}  # generations in AR fallback, per mode (sampled or not)
         if auto_budget and drafter is not None:
-            self._calibrate()
+            self._calibrate(refresh)  # refresh: measure again instead of reading the caches (`dart-lab calibrate`)
 
     # -- automatic tree budget
-    def _calibrate(self) -> None:
+    def _calibrate(self, refresh: bool = False) -> None:
         """Cost curve (cached per machine) and a decode of the calibration prompts at the widest budget
         (its path ranks give tau(theta) for every theta) and at a small one (drafting + search cost
         at both ends), cached per drafter: head weights, n-gram, search settings, target and dtype."""
         cfg = BudgetConfig()
         t = self.target
-        self.cost = cost_curve(t, cfg)
+        self.cost = cost_curve(t, cfg, refresh=refresh)
         key = {"drafter": self.drafter.config(), "weights": _weights_digest(self.drafter), "target": t.name,
                "dtype": str(t.dtype), "budget": calibration_key(cfg), "prompts": CALIBRATION_PROMPTS,
                "machine": self.cost["fingerprint"]}  # drafting time depends on the machine and runner
         path = cache_dir() / "calibration" / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str)
                                                               .encode()).hexdigest()[:16] + ".json")
         try:
+            if refresh:
+                raise OSError("measure again")
             saved = json.loads(path.read_text())
             self._observed = [tuple(x) for x in saved["observed"]]
             self._overhead_obs = {int(k): v for k, v in saved["overhead_obs"].items()}
         except (OSError, ValueError, KeyError):
             self._observed, self._overhead_obs = [], {}  # (budget, path_ranks) of every step; theta -> [ms sum, steps]
-            for budget in (cfg.max_nodes, cfg.small_nodes):  # ranks from the widest; the cost of a small tree too
-                self.drafter.set_budget(budget)
-                for text in CALIBRATION_PROMPTS:
-                    ids = t.encode_prompt(text) if t.tokenizer is not None else \
-                        torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
-                    res = generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=cfg.calibration_tokens))
-                    self._observe(res, budget)
-            write_json(path, {"observed": self._observed, "overhead_obs": self._overhead_obs})
+            with LoadMeter() as meter:
+                for budget in (cfg.max_nodes, cfg.small_nodes):  # ranks from the widest; the cost of a small tree too
+                    self.drafter.set_budget(budget)
+                    for text in CALIBRATION_PROMPTS:
+                        ids = t.encode_prompt(text) if t.tokenizer is not None else \
+                            torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
+                        res = generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=cfg.calibration_tokens))
+                        self._observe(res, budget)
+            if not meter.load["contended"]:  # drafting times of a busy moment serve this run only
+                write_json(path, {"observed": self._observed, "overhead_obs": self._overhead_obs,
+                                  "machine_load": meter.load, "measured_at": time.time()})
         self._choose()
 
     def _follow_machine(self, res: GenerationResult, curve: dict[int, float]) -> bool:
@@ -541,10 +548,12 @@ def make_drafter(name: str, target, opts: MethodOptions = MethodOptions(), cache
     return m.drafter(target, opts, {} if cache is None else cache) if m.drafter else None
 
 
-def make_runner(name: str, target, opts: MethodOptions = MethodOptions(), cache: dict | None = None) -> Runner:
-    """Method `name` bound to `target`, ready to `generate`."""
+def make_runner(name: str, target, opts: MethodOptions = MethodOptions(), cache: dict | None = None,
+                refresh: bool = False) -> Runner:
+    """Method `name` bound to `target`, ready to `generate`. refresh: re-measure the automatic budget's
+    cost curve and calibration instead of reading them from the cache."""
     m = get_method(name)
     auto = m.budgeted and tree_budget(opts) is None
     cache = {} if cache is None else cache
     return Runner(name, target, make_drafter(name, target, opts, cache), hf=m.hf, hf_lookup=m.hf_lookup,
-                  auto_budget=auto, new_drafter=lambda: make_drafter(name, target, opts, cache))
+                  auto_budget=auto, new_drafter=lambda: make_drafter(name, target, opts, cache), refresh=refresh)

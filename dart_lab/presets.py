@@ -26,6 +26,7 @@ class Preset:
     datasets: tuple = ("mt_bench", "humaneval")
     paper_model: str = ""  # the row of the paper's tables to compare with
     dtype: str = "auto"
+    batch_sizes: tuple = (1, 2, 4, 8, 16)  # Tables 5-7 (throughput by batch size); `make reproduce` runs a small grid
 
     def options(self, **kw) -> MethodOptions:
         return MethodOptions(dart_head=self.dart_head, eagle3_head=self.eagle3_head, ngram=self.ngram, **kw)
@@ -34,7 +35,7 @@ class Preset:
 def _paper(size: str, dart: str) -> Preset:
     return Preset(name=f"paper-qwen3-{size}", model=f"Qwen/Qwen3-{size.upper()}", dart_head=f"fvliang/{dart}",
                   eagle3_head=f"AngelSlim/Qwen3-{size.upper()}_eagle3", ngram="hub:fvliang/dart-qwen3-ngram/full.trie",
-                  datasets=PAPER_DATASETS, paper_model=f"qwen3-{size}")
+                  datasets=PAPER_DATASETS, paper_model=f"qwen3-{size}", batch_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64))
 
 
 PRESETS = {

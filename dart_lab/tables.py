@@ -210,3 +210,74 @@ def summary_markdown(t1: list[dict], preset: str) -> str:
         pt = rs[0]["paper_mean_tau"]
         lines.append(f"| {m} | {t} | {mean_sp} | {mean_ta} | {'-' if pt is None else pt} |")
     return "\n".join(lines) + "\n"
+
+
+def run_batch_cell(preset, methods, num_prompts: int, max_new_tokens: int, batch_sizes, results_dir, target=None,
+                   progress: bool = True, **option_overrides) -> dict:
+    """Tables 5-7's cell: one bench on the preset's HumanEval at T=0 with every batch size (`--batch-size`),
+    methods interleaved per batch; cached by config hash under results_dir/bench/ like `run_cells`."""
+    pre = get_preset(preset) if isinstance(preset, str) else preset
+    ds = next((d for d in pre.datasets if _short(d) == "humaneval"), "humaneval")
+    cfg = BenchConfig(methods=tuple(methods), dataset=ds, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                      model=pre.model, dtype=pre.dtype, batch_sizes=tuple(batch_sizes),
+                      options=pre.options(**option_overrides))
+    out_dir = Path(results_dir) / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{_short(ds)}_batch_{cfg.key()}_{num_prompts}.json"
+    if path.is_file():
+        res = json.loads(path.read_text())
+    else:
+        res = run_bench(cfg, path, target=target or load_target(pre.model, dtype=pre.dtype), progress=progress)
+    res["_file"] = str(path)
+    return res
+
+
+def tables5_7(res: dict, paper: dict) -> list[dict]:
+    """Tokens/s by batch size and method (paper Tables 5-7, HumanEval): ours, x our batched AR at that size
+    (the paper's "base"), x our batch-1 AR; beside them the paper's tokens/s and x base for Qwen3-4B and
+    -8B at the same batch size where the paper has it (its grid starts at 2)."""
+    ref = paper.get("tables5_7_batch_humaneval_tokens_per_s", {})
+    pb = ref.get("batch", [])
+    names = {"ar": "base", "dart": "dart", "eagle3": "eagle3"}
+    by = res.get("by_batch") or {str(res["config"]["batch_sizes"][0]): {"methods": res["methods"]}}
+    one = (by.get("1") or {}).get("methods", {}).get("ar", {}).get("tokens_per_s")
+    rows = []
+    for B, block in sorted(by.items(), key=lambda kv: int(kv[0])):
+        ms = block["methods"]
+        base = ms.get("ar", {}).get("tokens_per_s")
+        for m, d in ms.items():
+            row = {"batch": int(B), "method": m, "tokens_per_s": d["tokens_per_s"],
+                   "x_base": d["tokens_per_s"] / base if base else None,
+                   "x_batch1_ar": d["tokens_per_s"] / one if one else None, "tau": d.get("tau"),
+                   "theta": "-".join(str(v) for v in sorted(set(d["theta_range"]))) if d.get("theta_range") else None,
+                   "match_ar": d.get("match_ar")}
+            for model in ("qwen3-4b", "qwen3-8b"):
+                p = ref.get(model, {})
+                k = names.get(m)
+                have = int(B) in pb and k in p
+                row[f"paper_{model}_tokens_per_s"] = p[k][pb.index(int(B))] if have else None
+                row[f"paper_{model}_x_base"] = p[k][pb.index(int(B))] / p["base"][pb.index(int(B))] if have else None
+            rows.append(row)
+    return rows
+
+
+def figure_batch(res: dict, paper: dict):
+    """Tokens/s vs batch size, each method over its own base (our batched AR; the paper's base), ours solid,
+    the paper's Qwen3-4B / -8B dotted: where the gain of drafting shrinks as the batch fills the hardware."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    rows = tables5_7(res, paper)
+    for m in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["batch"], r["x_base"]) for r in rows if r["method"] == m and r["x_base"] is not None]
+        fig.add_trace(go.Scatter(x=[a for a, _ in pts], y=[b for _, b in pts], mode="lines+markers", name=f"ours: {m}"))
+    ref = paper.get("tables5_7_batch_humaneval_tokens_per_s", {})
+    for model in ("qwen3-4b", "qwen3-8b"):
+        p = ref.get(model, {})
+        for m in ("dart", "eagle3"):
+            if m in p:
+                fig.add_trace(go.Scatter(x=ref["batch"], y=[a / b for a, b in zip(p[m], p["base"])], mode="lines",
+                                         line=dict(dash="dot"), name=f"paper {model}: {m}"))
+    fig.update_layout(title="Throughput over the base at each batch size (HumanEval)", xaxis_title="batch size",
+                      yaxis_title="tokens/s / base tokens/s", xaxis_type="log", template="plotly_white")
+    return fig

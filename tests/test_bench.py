@@ -138,3 +138,23 @@ def test_bad_bench_input(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dart_lab", "bench", "--dataset", "nope", "--out", str(tmp_path / "x.json")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "unknown dataset 'nope'" in r.stderr
+
+
+def test_bench_batch_sizes_keep_methods_and_add_by_batch(embedded, tmp_path):
+    """--batch-size 1,2: `methods` is batch 1's block as before; by_batch has both sizes with the same
+    per-method fields; every batched row equals batched AR's (fp32); a bad size is refused in one line."""
+    cfg = BenchConfig(methods=("ar", "dart", "hf"), dataset="humaneval", num_prompts=3, max_new_tokens=10, warmup=1,
+                      model="smollm2-135m", device="cpu", dtype="fp32", options=OPTS, batch_sizes=(1, 2))
+    res = run_bench(cfg, tmp_path / "b.json", target=embedded, progress=False)
+    assert set(res["by_batch"]) == {"1", "2"} and res["methods"] == res["by_batch"]["1"]["methods"]
+    for B in ("1", "2"):
+        for m in ("ar", "dart", "hf"):
+            assert set(res["by_batch"]["1"]["methods"][m]) == set(res["by_batch"][B]["methods"][m]), (B, m)
+        assert res["by_batch"][B]["methods"]["dart"]["match_ar"] == 1.0
+    batched = [r for r in res["per_prompt"] if r.get("batch_size")]
+    assert sorted(r["batch_size"] for r in batched if r["method"] == "ar") == [1, 2]  # 3 prompts: groups of 2 and 1
+    assert all(len(r["match_ar_rows"]) == r["batch_size"] and all(r["match_ar_rows"]) for r in batched
+               if r["method"] == "dart")
+    with pytest.raises(DartLabError, match="batch sizes"):
+        BenchConfig(batch_sizes=(0,))
+    assert BenchConfig().key() == BenchConfig(batch_sizes=(1,)).key() != BenchConfig(batch_sizes=(1, 2)).key()

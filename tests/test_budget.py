@@ -1,6 +1,8 @@
 """The tree budget: the tree of a smaller budget is the best-ranked part of a bigger one, so one
 decode at the widest budget tells the accepted length at every smaller budget; theta is chosen by
 expected speed and falls back to AR when nothing beats it."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -187,10 +189,19 @@ def test_sampling_gets_its_own_theta_from_its_own_acceptance():
     assert res.config["tree_budget"]["theta"] == greedy and max(s["tree_size"] for s in res.steps) > sampled + 1
 
 
-def test_cost_curve_is_made_non_decreasing():
+def test_cost_curve_is_made_non_decreasing_and_one_noisy_size_moves_no_other():
     from dart_lab.budget import monotone
-    assert monotone({1: 26.3, 2: 29.7, 4: 27.4, 8: 31.0, 16: 30.5, 32: 54.0}) == \
-        {1: 26.3, 2: 27.4, 4: 27.4, 8: 30.5, 16: 30.5, 32: 54.0}
+    out = monotone({1: 26.3, 2: 29.7, 4: 27.4, 8: 31.0, 16: 30.5, 32: 54.0})
+    assert list(out.values()) == sorted(out.values()) and out[1] == 26.3 and out[32] == 54.0
+    assert out[2] == out[4] == pytest.approx((29.7 + 27.4) / 2)  # two sizes out of order with each other: pooled
+    clean = {1: 20.0, 2: 21.0, 4: 23.0, 8: 26.0, 16: 31.0, 32: 40.0, 64: 58.0}
+    assert monotone(clean) == clean
+    for n in clean:  # one reading far off, either way, at any size: every other size keeps its value
+        for factor in (0.2, 5.0):
+            noisy = monotone({**clean, n: clean[n] * factor})
+            assert list(noisy.values()) == sorted(noisy.values())
+            assert all(noisy[m] == pytest.approx(clean[m]) for m in clean if m != n), (n, factor, noisy)
+    assert monotone({1: 30.0, 2: 20.0}) == {1: 25.0, 2: 25.0}  # two readings: pooled
 
 
 def test_dart_ctx_adapts_sampling_theta_only():
@@ -299,3 +310,62 @@ def test_ar_fallback_probes_a_tree_every_few_generations():
         assert len(r._observed_sampled) == seen + len(tree_steps)
         assert res.config["tree_budget"].get("probe", False) == bool(tree_steps)
     assert trees == ([False] * (every - 1) + [True]) * 2
+
+
+def test_batch_theta_is_chosen_per_live_rows_from_the_batched_surface(monkeypatch):
+    """A batch's theta comes from the verify cost at its live-row count: a surface whose trees get dear as
+    rows grow gives a tree at 1 row and batched AR at 4, and the decode stays lossless throughout."""
+    from dart_lab import GenerationConfig, generate
+    from dart_lab.budget import interpolate_batch
+
+    target = tiny_target("llama", runner="fast")
+    r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
+    r._observed = [(63, [0])] * 20  # pretend the head's first guess is always right: tau(theta >= 1) = 2
+    r._choose()
+    # t(B, N) = B * (1 + (B - 1) * (N - 1)) ms (+ a little per node): flat at B = 1; at B = 4 a node per row
+    # costs three one-token steps, so no tree pays
+    surface = {B: {n: B * (1.0 + (B - 1) * (n - 1)) + 0.01 * n for n in (1, 2, 4, 8, 16)} for B in (1, 2, 4, 8)}
+    monkeypatch.setattr(Runner, "batch_curve", lambda self, rows: interpolate_batch(surface, rows))
+    monkeypatch.setattr(Runner, "head_batch_ms", lambda self, rows: {1: 0.0, rows: 0.0})
+    monkeypatch.setattr(Runner, "overhead_ms", lambda self, th: 0.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, target.vocab_size, (n,), generator=g) for n in (4, 9, 6, 12)]
+    cfg = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    res = r.generate_batch(prompts, cfg)
+    by_rows = res.config["tree_budget_by_rows"]
+    assert by_rows["4"]["theta"] == 0 and by_rows["4"]["fallback_to_ar"]
+    one = r.generate_batch(prompts[:1], cfg).config["tree_budget_by_rows"]["1"]
+    assert one["theta"] >= 1 and not one["fallback_to_ar"]
+    assert [x.tokens for x in res.rows] == [generate(target, p, None, cfg).tokens for p in prompts]
+    assert {s["theta"] for s in res.steps} == {0}
+
+
+def test_a_curve_measured_under_load_is_used_but_never_cached(tmp_path, monkeypatch):
+    """A busy process beside the measurement: the curve serves that call only (marked contended) and no
+    file is written; measured again on a quiet machine it is cached, with its machine load and age."""
+    import subprocess
+    import sys
+    import time
+
+    from dart_lab import budget
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+
+    def measure(target, sizes, repeats, prompt_len):  # a measurement that takes time without using the CPU
+        time.sleep(0.6)
+        return {n: 10.0 + n for n in sizes}
+    monkeypatch.setattr(budget, "measure_verify", measure)
+    target = tiny_target("llama")
+    cfg = BudgetConfig(sizes=(1, 2, 4), repeats=1, prompt_len=32, long_prompt_len=64)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        hot = budget.cost_curve(target, cfg)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert hot["contended"] and hot["machine_load"]["others_cores"] > 0.5 and hot["verify_ms"][4] == 14.0
+    assert not list(tmp_path.rglob("*.json"))
+    calm = budget.cost_curve(target, cfg)
+    assert not calm["contended"] and len(list((tmp_path / "cost").glob("*.json"))) == 1
+    served = budget.cost_curve(target, dataclasses.replace(cfg, cost_measurements=1))
+    assert served["cached"] and served["age_s"] >= 0 and served["machine_load"]["contended"] is False

@@ -75,6 +75,12 @@ def test_papermill_smoke_run_and_its_results(tmp_path):
     t2 = list(csv.DictReader(open(out / "table2.csv")))
     assert t2 and t2[0]["dataset"] == "mt_bench"
     assert (out / "figure1.html").stat().st_size > 1000 and "mean speedup" in (out / "summary.md").read_text()
+    # Tables 5-7: every method at batch 1 and 2, over batched AR at the same size, the paper's rows beside
+    t57 = list(csv.DictReader(open(out / "tables5_7.csv")))
+    assert {(int(r["batch"]), r["method"]) for r in t57} == {(b, m) for b in (1, 2) for m in ("ar", "dart", "hf")}
+    assert all(float(r["x_base"]) == 1.0 for r in t57 if r["method"] == "ar")
+    assert next(r for r in t57 if r["batch"] == "2" and r["method"] == "dart")["paper_qwen3-4b_x_base"]
+    assert (out / "figure_batch.html").stat().st_size > 1000
 
 
 def test_tables_3_and_4_render_stored_training_ablations(tmp_path):
