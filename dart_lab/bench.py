@@ -13,8 +13,8 @@ Rules (so ratios mean something on a noisy machine):
 - match_ar (T=0) = fraction of prompts whose output equals AR's token for token;
 - repeats R > 1 (T=0 only): every prompt is run R times per method, interleaved (the order rotates on
   each pass), and each (prompt, method) is counted by its fastest pass, as `timeit` counts the best of
-  its repeats: a VM's host slows single generations by up to ~40 % (AR's step on one prompt read 27 ms
-  and 39 ms in the same quiet run), and a slow pass says nothing about the method. A greedy pass
+  its repeats: a VM's host slows single generations by up to ~40 % in an otherwise quiet run, and a
+  slow pass says nothing about the method. A greedy pass
   emits the same tokens every time, so only time is selected; `methods_first_pass` keeps the
   figures of the first pass alone. Sampling (T > 0) refuses R > 1: keeping the faster of two sampled
   runs would keep the luckier draws.
@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,7 +46,7 @@ from .data import load_prompts
 from .errors import DartLabError
 from .loading import load_target
 from .machine import cpu_counters, machine_load, memory_read_gbs, weight_bytes
-from .methods import MethodOptions, get_method, make_runner
+from .methods import MethodOptions, get_method, make_runner, unavailable_reason
 
 WARMUP_PROMPT = "Say hello and introduce yourself in one sentence."
 
@@ -103,7 +104,7 @@ class BenchConfig:
 def machine_info(target) -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "processor": platform.processor(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "device": str(target.device), "dtype": str(target.dtype), "torch_threads": torch.get_num_threads(),
+            "device": str(target.device), "dtype": target.precision, "torch_threads": torch.get_num_threads(),
             "dtype_report": target.dtype_report}
     if getattr(target, "compile", False):  # time in first calls of new step shapes (in the measured runs too)
         info["compile_seconds"] = round(target.compile_seconds, 1)
@@ -251,29 +252,19 @@ def aggregate(rows: list[dict], methods, greedy: bool) -> dict:
 
 def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = True) -> dict:
     """Run the benchmark described by `cfg`, write `out` (JSON) and return the result dict."""
-    out = Path(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DartLabError(f"cannot create output folder {out.parent}: {e.strerror}") from None
-    if not os.access(out.parent, os.W_OK):
-        raise DartLabError(f"output folder {out.parent} is not writable")
+    out = _writable(Path(out))
     prompts = load_prompts(cfg.dataset, cfg.num_prompts)
     target = target or load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile)
     shared: dict = {}
-    runners = {m: make_runner(m, target, cfg.options, shared) for m in cfg.methods}
+    skipped = {m: why for m in cfg.methods if (why := unavailable_reason(m, target))}
+    for m, why in skipped.items():
+        print(f"bench: {m} skipped: {why}", file=sys.stderr)
+    methods = [m for m in cfg.methods if m not in skipped]
+    runners = {m: make_runner(m, target, cfg.options, shared) for m in methods}
     greedy = cfg.temperature == 0.0
     partial = out.with_name(out.name + ".partial.jsonl")
     key = cfg.key()
-    rows = []
-    if partial.is_file():
-        for line in partial.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by an interruption
-            if rec.get("config_key") == key:
-                rows.append(rec["row"])
+    rows = _read_partial(partial, key)
     done = {(r["prompt_id"], r["method"], r.get("repeat", 0)) for r in rows}
 
     read_gbs = memory_read_gbs(device=target.device)  # before the timed runs: about a second
@@ -281,13 +272,13 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     # warm-up: every method, discarded
     wids = target.encode_prompt(WARMUP_PROMPT)
     for _ in range(cfg.warmup):
-        for m in cfg.methods:
+        for m in methods:
             runners[m].generate(wids, dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens)))
 
     it = prompts
     if progress:
         it = tqdm(prompts, desc=f"bench {cfg.dataset}", unit="prompt")
-    order = list(cfg.methods)
+    order = list(methods)
     if "ar" in order:  # AR first in the list so match_ar can be judged; timing order still rotates
         order.remove("ar")
         order.insert(0, "ar")
@@ -300,20 +291,15 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
             k = (i * cfg.repeats + rep) % len(order)
             results = {m: runners[m].generate(ids, gen_cfg) for m in order[k:] + order[:k]}
             ar = results["ar"] if ("ar" in results and greedy) else None
-            new_rows = [dict(_row(results[m], prompt, m, ar), repeat=rep) for m in order]
-            with open(partial, "a") as f:
-                for r in new_rows:
-                    f.write(json.dumps({"config_key": key, "row": r}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            rows = [r for r in rows if (r["prompt_id"], r.get("repeat", 0)) != (prompt["id"], rep)] + new_rows
+            rows = _append_rows(partial, key, rows, [dict(_row(results[m], prompt, m, ar), repeat=rep) for m in order])
 
     by_batch = {}
     for B in cfg.batch_sizes:
         if B == 1 and 1 in cfg.batch_sizes[:1]:
             continue  # the one-at-a-time loop above
-        rows = _bench_batches(cfg, B, prompts, target, runners, order, rows, done, key, partial, greedy, progress)
-        by_batch[str(B)] = {"methods": aggregate(fastest_pass([r for r in rows if r.get("batch_size") == B]), order,
+        batched = [m for m in order if get_method(m).batches]
+        rows = _bench_batches(cfg, B, prompts, target, runners, batched, rows, done, key, partial, greedy, progress)
+        by_batch[str(B)] = {"methods": aggregate(fastest_pass([r for r in rows if r.get("batch_size") == B]), batched,
                                                  greedy)}
     single = [r for r in rows if "batch_size" not in r]
     if single:
@@ -321,6 +307,7 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     result = {"config": asdict(cfg), "config_key": key,
               "machine": {**machine_info(target), "memory_read_gbs": round(read_gbs, 2)},
               "drafters": {m: r.config() for m, r in runners.items()},
+              "skipped": skipped,
               "aggregation": ("each (prompt, method) counted by the fastest of its "
                               f"{cfg.repeats} passes; " if cfg.repeats > 1 else "") +
                              "tokens_per_s = sum(new_tokens)/sum(prefill+decode seconds) over prompts; "
@@ -336,8 +323,9 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                                   " verify_ms per batch step, match_ar = every row equals batched AR's row")
     ar_ms = (by_batch.get("1", {}).get("methods", {}).get("ar") or {}).get("verify_ms")
     if ar_ms:  # how close the one-token step is to reading the weights at the machine's read bandwidth
-        step_gbs = weight_bytes(target.model) / (ar_ms / 1e3) / 1e9
-        result["step_vs_memory"] = {"ar_step_ms": round(ar_ms, 2), "weight_mb": round(weight_bytes(target.model) / 1e6, 1),
+        read = target.dtype_report.get("int4", {}).get("step_weight_bytes") or weight_bytes(target.model)
+        step_gbs = read / (ar_ms / 1e3) / 1e9
+        result["step_vs_memory"] = {"ar_step_ms": round(ar_ms, 2), "weight_mb": round(read / 1e6, 1),
                                     "weight_read_gbs": round(step_gbs, 2), "memory_read_gbs": round(read_gbs, 2),
                                     "fraction_of_read_bandwidth": round(step_gbs / read_gbs, 3)}
     if cfg.repeats > 1:
@@ -368,11 +356,42 @@ def _bench_batches(cfg: BenchConfig, B: int, prompts, target, runners, order, ro
             k = (g * cfg.repeats + rep) % len(order)
             results = {m: runners[m].generate_batch(ids, gen_cfg) for m in order[k:] + order[:k]}
             ar = results["ar"] if ("ar" in results and greedy) else None
-            new_rows = [dict(_batch_row(results[m], gid, m, ar), repeat=rep) for m in order]
-            with open(partial, "a") as f:
-                for r in new_rows:
-                    f.write(json.dumps({"config_key": key, "row": r}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            rows = [r for r in rows if (r["prompt_id"], r.get("repeat", 0)) != (gid, rep)] + new_rows
+            rows = _append_rows(partial, key, rows, [dict(_batch_row(results[m], gid, m, ar), repeat=rep) for m in order])
     return rows
+
+
+def _writable(out: Path) -> Path:
+    """`out` once its folder exists and is writable, else a one-line DartLabError."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DartLabError(f"cannot create output folder {out.parent}: {e.strerror}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise DartLabError(f"output folder {out.parent} is not writable")
+    return out
+
+
+def _read_partial(partial: Path, key: str) -> list[dict]:
+    """The rows an interrupted run of the same configuration (`key`) left in `partial`."""
+    rows = []
+    if partial.is_file():
+        for line in partial.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interruption
+            if rec.get("config_key") == key:
+                rows.append(rec["row"])
+    return rows
+
+
+def _append_rows(partial: Path, key: str, rows: list[dict], new_rows: list[dict]) -> list[dict]:
+    """One pass of one prompt (or batch group) by every method: appended to `partial` and synced before it
+    counts (an interrupted bench resumes after it), replacing that pass's older rows in `rows`."""
+    with open(partial, "a") as f:
+        for r in new_rows:
+            f.write(json.dumps({"config_key": key, "row": r}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    done = {(r["prompt_id"], r.get("repeat", 0)) for r in new_rows}
+    return [r for r in rows if (r["prompt_id"], r.get("repeat", 0)) not in done] + new_rows

@@ -16,13 +16,15 @@ On a GPU t_verify is nearly flat in N and theta comes out large; on a 2-core CPU
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import platform
 import statistics
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,23 +46,22 @@ class BudgetConfig:
     repeats: int = 7  # timed verifies per size (median)
     prompt_len: int = 128  # committed context during the timing
     long_prompt_len: int = 1024  # the curve is timed again after this many tokens: attention grows with the
-    # context, per node (reproduce/verify_latency.py, bf16 2-core EPYC: 16 / 32 nodes 32 / 42 ms after 128
-    # tokens, 43 / 71 ms after 1,200; one node 25 ms at both), so a tree priced at 128 tokens is too big for
-    # a long prompt (`curve_at`)
+    # context, per node, while one node's cost hardly moves (experiments/engine/verify_latency.py,
+    # docs/speed.md), so a tree priced at 128 tokens is too big for a long prompt (`curve_at`)
     max_nodes: int = 63  # widest tree probed in the calibration decode (drafted nodes)
     small_nodes: int = 4  # a second, small budget decoded in the calibration: drafting + search cost
-    # depends on theta (DART: fewer MASK positions, a smaller beam; measured here 3.0-3.5 ms at theta
-    # 2-4 vs 5.7-7 ms at 16-63), so the cost of small trees is measured, not scaled from the widest
+    # depends on theta (DART: fewer MASK positions, a smaller beam; about half at theta 2-4 of what it is
+    # at 16-63, experiments/engine/draft_cost_by_theta.py), so small trees' cost is measured, not scaled
     calibration_tokens: int = 48  # per calibration prompt
     refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
     refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
     refresh_streak: int = 2  # consecutive generations off by refresh_ratio (same side) before re-measuring: one
-    # slow generation is often a passing host hiccup, and a curve re-measured inside it stuck (seen here: every
-    # size up to 12 nodes read 40 ms against 27-31 ms steps, and dart drafted 11 nodes for a whole dataset)
+    # slow generation is often a passing host hiccup, and a curve re-measured inside it sticks (every size
+    # read slow, and a whole dataset drafted trees sized for that moment: docs/speed.md)
     refresh_repeats: int = 5  # timed verifies per size when re-measuring
     cost_measurements: int = 3  # a cached curve is measured again at its next loads until this many measurements
-    # were merged (per-size minimum): one measurement taken in a slow moment of the host stuck before (8 nodes
-    # priced 1.51x one node where steps then cost 1.1x, and dart drafted theta 2 for a whole run)
+    # were merged (per-size minimum): one measurement taken in a slow moment of the host would otherwise
+    # stick (a small tree priced far above what its steps then cost, theta too small for a whole run)
     overhead_memory: int = 512  # steps a per-theta mean of drafting + search time remembers (it follows the machine)
     sampled_min_steps: int = 128  # sampled steps covering a rank before its sampled acceptance rate is used (fewer: one
     # short answer decided it, and a pessimistic rate can send sampling to AR fallback, which then sees no drafts)
@@ -99,7 +100,7 @@ def fingerprint(target) -> dict:
         cpu = torch.cuda.get_device_name(dev)
     return {"device": str(dev.type), "hardware": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "target": target.name, "layers": target.num_layers,
-            "hidden": target.hidden_size, "dtype": str(target.dtype), "runner": getattr(target, "runner", "hf"),
+            "hidden": target.hidden_size, "dtype": getattr(target, "precision", str(target.dtype)), "runner": getattr(target, "runner", "hf"),
             "packed_weights": getattr(target, "packs_weights", False),
             "attention_dtype": str(getattr(target, "cache_dtype", target.dtype)),
             "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve
@@ -116,29 +117,38 @@ def verify_samples(target, sizes, repeats: int = 7, prompt_len: int = 128) -> di
     """Wall ms of `repeats` verifies of an N-node tree (a chain; cost depends on N, not on shape)
     after `prompt_len` committed tokens, each size measured interleaved with the others, after one
     untimed warm-up round."""
+    return _time_chains(target, [prompt_len], sizes, repeats, target.prefill,
+                        lambda trees: target.verify(trees[0]), lambda: target.commit([0]), target.truncate)
+
+
+def _time_chains(target, rows: list[int], sizes, repeats: int, prefill, verify, commit, truncate) -> dict[int, list]:
+    """The timing loop of `verify_samples` and `batch_verify_ms`: `rows` prompts of random ids (lengths
+    given), then per round and size one N-node chain per row verified (timed; round 0 warms up), its root
+    committed and the cache cut back."""
     g = torch.Generator().manual_seed(0)
     V = min(target.vocab_size, 1000)
-    target.prefill(torch.randint(3, V, (prompt_len,), generator=g))
+    prompts = [torch.randint(3, V, (n,), generator=g) for n in rows]
+    prefill(prompts[0] if len(rows) == 1 else prompts)
     times = {n: [] for n in sizes}
     for r in range(repeats + 1):  # round 0 warms up
         for n in sizes:
-            tree = Tree(torch.randint(3, V, (n,), generator=g), torch.arange(-1, n - 1))
+            trees = [Tree(torch.randint(3, V, (n,), generator=g), torch.arange(-1, n - 1)) for _ in rows]
             sync(target.device)
             t = time.perf_counter()
-            target.verify(tree)
+            verify(trees)
             sync(target.device)
             if r:
                 times[n].append((time.perf_counter() - t) * 1e3)
-            target.commit([0])
-            target.truncate(prompt_len)
+            commit()
+            truncate(rows[0])
     return times
 
 
 def monotone(curve: dict[int, float]) -> dict[int, float]:
     """The curve made non-decreasing in N, without letting one noisy size move the others. A bigger tree
-    cannot cost less, but readings are noisy both ways (one calibration read N=2 at 29.7 ms, above N=4's
-    27.4; one read the widest tree low, and a running minimum from the widest down then set every size,
-    and the per-token context growth of every size, to that reading). So: 1. a size that breaks the
+    cannot cost less, but readings are noisy both ways (a small size read above a bigger one; the widest
+    tree read low, and a running minimum from the widest down would then set every size, and the
+    per-token context growth of every size, to that reading). So: 1. a size that breaks the
     order with a neighbour while its two neighbours agree with each other is a lone outlier and takes
     that neighbour's value (an interior one first, from the readings; then the smallest size is lowered
     to its neighbour when above it, the widest raised to its neighbour when below it); 2. what still
@@ -193,8 +203,12 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True, r
             saved, count = None, 0
     load, measured_at = saved_meta.get("machine_load"), saved_meta.get("measured_at")
     if refresh or saved is None or count < cfg.cost_measurements:
-        with LoadMeter() as meter:
-            raw = {c: measure_verify(target, cfg.sizes, cfg.repeats, n) for c, n in lens.items()}
+        with LoadMeter() as meter:  # a line per context: the first measurement on a machine takes a while
+            raw = {}
+            for c, n in lens.items():
+                _say(f"timing verifies of {min(cfg.sizes)}-{max(cfg.sizes)} nodes after {n} tokens "
+                     f"(measurement {count + 1} of {cfg.cost_measurements}, cached)")
+                raw[c] = measure_verify(target, cfg.sizes, cfg.repeats, n)
         load, measured_at, fresh = meter.load, time.time(), True
         if load["contended"]:  # other work on the cores bends the curve: used for this run only, never cached
             saved, count = raw, 0
@@ -214,6 +228,11 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True, r
             "prompt_len": cfg.prompt_len, "measurements": count, "cached": not fresh,
             "contended": bool(load and load.get("contended")), "machine_load": load,
             "age_s": round(time.time() - measured_at, 1) if measured_at else None}
+
+
+def _say(line: str) -> None:
+    """A progress line for measurements that take seconds to minutes (stderr: a bench's JSON stays clean)."""
+    print(f"[dart_lab] {line}", file=sys.stderr, flush=True)
 
 
 def curve_at(cost: dict, context: int) -> dict[int, float]:
@@ -253,8 +272,8 @@ def overhead_at(means: dict[int, float], theta: int, scale=None) -> float:
     EAGLE-3's head forwards grow with the tree's depth up to its depth limit, DART's one forward does
     not). Between two measured budgets a and b: the same fraction of the way from a's cost to b's as
     scale(theta) is from scale(a) to scale(b) (linear in theta where the shape is flat: EAGLE-3 at
-    theta 10 already runs all 8 forwards of theta 63 -- measured 31 ms, where a line from theta 4's 13 ms
-    to theta 63's 25 ms said 15); beyond them: the nearest one times scale(theta) / scale(nearest)."""
+    theta 10 already runs all 8 forwards of theta 63, where a line from theta 4 to theta 63 would price
+    it near theta 4); beyond them: the nearest one times scale(theta) / scale(nearest)."""
     xs = sorted(means)
     if not xs:
         return 0.0
@@ -288,22 +307,9 @@ def batch_verify_ms(target, batch: int, sizes, repeats: int = 5, prompt_len: int
     each, after `prompt_len` committed tokens per row, sizes interleaved after a warm-up round."""
     from .batch import BatchTarget
 
-    g = torch.Generator().manual_seed(0)
-    V = min(target.vocab_size, 1000)
     bt = BatchTarget(target)
-    bt.prefill([torch.randint(3, V, (prompt_len,), generator=g) for _ in range(batch)])
-    times = {n: [] for n in sizes}
-    for r in range(repeats + 1):  # round 0 warms up
-        for n in sizes:
-            trees = [Tree(torch.randint(3, V, (n,), generator=g), torch.arange(-1, n - 1)) for _ in range(batch)]
-            sync(target.device)
-            t = time.perf_counter()
-            bt.verify(trees)
-            sync(target.device)
-            if r:
-                times[n].append((time.perf_counter() - t) * 1e3)
-            bt.commit([[0]] * batch)
-            bt.truncate(prompt_len)
+    times = _time_chains(target, [prompt_len] * batch, sizes, repeats, bt.prefill, bt.verify,
+                         lambda: bt.commit([[0]] * batch), bt.truncate)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
@@ -341,3 +347,304 @@ def interpolate_batch(curves: dict[int, dict[int, float]], rows: int) -> dict[in
         return {n: curves[lo][n] * scale for n in ns}
     f = (rows - lo) / (hi - lo)
     return {n: curves[lo][n] + f * (curves[hi][n] - curves[lo][n]) for n in ns}
+
+
+# ----------------------------------------------------------------------------- the controller
+@dataclass
+class Observations:
+    """What a runner's budget has seen. greedy / sampled: (budget, path_ranks) of every tree step at
+    T=0 / T>0 (the rank of each accepted node; tau(theta) comes from them); overhead: theta ->
+    [drafting + search ms summed, steps], decayed so that it follows the machine."""
+
+    greedy: list = field(default_factory=list)
+    sampled: list = field(default_factory=list)
+    overhead: dict = field(default_factory=dict)
+
+
+class BudgetController:
+    """The automatic tree budget of one drafter on one target (paper Sec. 4's node budget, chosen from
+    measured cost): calibrates once when built (cost curve + a decode of the calibration prompts at the
+    widest and at a small budget, both cached per machine and drafter), chooses theta for each request's
+    context (`plan`; theta 0 = AR fallback, with a probe every few generations), learns from every
+    generation (`learn`: acceptance per rank, drafting cost per theta, re-measuring the cost curve when
+    the machine's speed moved), and prices batches (`batch_policy`)."""
+
+    def __init__(self, target, drafter, cfg: BudgetConfig = BudgetConfig(), refresh: bool = False,
+                 new_drafter=None, calibrate: bool = True):
+        self.target, self.drafter, self.cfg, self.new_drafter = target, drafter, cfg, new_drafter
+        self.observed = Observations()
+        self.budget: dict | None = None  # greedy decoding's theta (and sampling's: budget_sampled)
+        self.budget_sampled: dict | None = None
+        self.cost: dict = {}
+        self.batch_costs: dict[int, dict[int, float]] = {}  # batch size -> verify ms by nodes per row
+        self.head_ms: dict[int, float] = {}  # rows -> ms of one batched DART head forward (head_batch_ms)
+        self.off_streak = 0  # consecutive generations whose verify times disagreed with the curve (signed)
+        self.fallback_runs = {False: 0, True: 0}  # generations in AR fallback, per mode (sampled or not)
+        if calibrate:
+            self.calibrate(refresh)
+
+    # -- calibration
+    def calibrate(self, refresh: bool = False) -> None:
+        """Cost curve (cached per machine) and a decode of the calibration prompts at the widest budget
+        (its path ranks give tau(theta) for every theta) and at a small one (drafting + search cost
+        at both ends), cached per drafter: head weights, n-gram, search settings, target and dtype.
+        refresh: measure both again instead of reading the caches (`dart-lab calibrate --refresh`)."""
+        from .config import GenerationConfig
+        from .generate import generate
+
+        cfg, t = self.cfg, self.target
+        self.cost = cost_curve(t, cfg, refresh=refresh)
+        key = {"drafter": self.drafter.config(), "weights": weights_digest(self.drafter), "target": t.name,
+               "dtype": t.precision, "budget": calibration_key(cfg), "prompts": CALIBRATION_PROMPTS,
+               "machine": self.cost["fingerprint"]}  # drafting time depends on the machine and runner
+        path = cache_dir() / "calibration" / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str)
+                                                              .encode()).hexdigest()[:16] + ".json")
+        try:
+            if refresh:
+                raise OSError("measure again")
+            saved = json.loads(path.read_text())
+            self.observed = Observations([tuple(x) for x in saved["observed"]], [],
+                                         {int(k): v for k, v in saved["overhead_obs"].items()})
+        except (OSError, ValueError, KeyError):
+            self.observed = Observations()
+            with LoadMeter() as meter:
+                for budget in (cfg.max_nodes, cfg.small_nodes):  # ranks from the widest; the cost of a small tree too
+                    self.drafter.set_budget(budget)
+                    _say(f"calibrating {self.drafter.name}: {len(CALIBRATION_PROMPTS)} prompts x "
+                         f"{cfg.calibration_tokens} tokens at {budget} nodes (cached)")
+                    for text in CALIBRATION_PROMPTS:
+                        ids = t.encode_prompt(text) if t.tokenizer is not None else \
+                            torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
+                        res = generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=cfg.calibration_tokens))
+                        self.observe(res, budget)
+            if not meter.load["contended"]:  # drafting times of a busy moment serve this run only
+                write_json(path, {"observed": self.observed.greedy, "overhead_obs": self.observed.overhead,
+                                  "machine_load": meter.load, "measured_at": time.time()})
+        self.choose()
+
+    # -- one request
+    def plan(self, prompt_len: int, sampled: bool, max_new_tokens: int) -> tuple[dict, dict[int, float]]:
+        """(budget, verify curve) for one request: theta re-chosen with every tree priced at the request's
+        mean committed context (prompt + half the answer), the probe in AR fallback, put on the drafter."""
+        if sampled and self.budget_sampled is None:  # sampling has its own theta, from its own acceptance
+            self.choose(sampled=True)
+        context = prompt_len + max_new_tokens // 2
+        curve = curve_at(self.cost, context)
+        budget = {**self.for_context(self.budget_sampled if sampled else self.budget, curve), "context": context}
+        if budget["fallback_to_ar"] and self.learns(sampled):
+            budget = self.probe(budget, sampled)
+        self.apply(budget, curve)
+        return budget, curve
+
+    def learn(self, res, budget: dict, curve: dict[int, float], sampled: bool) -> None:
+        """After a generation planned by `plan`: follow the machine, record what was accepted, choose again."""
+        fallback = budget["fallback_to_ar"]
+        refreshed = self.follow_machine(res, curve)
+        if not fallback:
+            self.observe(res, budget["theta"], sampled, ranks=self.learns(sampled))
+        if refreshed:  # a new cost curve: both thetas again
+            self.choose()
+        if refreshed or not fallback:
+            self.choose(sampled)
+
+    def follow_machine(self, res, curve: dict[int, float]) -> bool:
+        """Keep the cost curve true to the machine as it is now. When the verify steps just decoded took
+        `refresh_ratio` x longer (or shorter) than the curve predicts for their tree sizes (median over
+        steps) in `refresh_streak` generations in a row, the curve is measured again (not cached) and
+        theta is re-chosen. A busy machine changes the curve's shape, not only its scale -- one-token
+        steps slow far more under contention than a tree verify of the same ops -- so a rescale would not do."""
+        cfg = self.cfg
+        obs = [(s["tree_size"], s["verify_ms"]) for s in res.steps if "tree_size" in s]
+        if len(obs) < cfg.refresh_min_steps:
+            return False
+        ratio = statistics.median(ms / interpolate(curve, n) for n, ms in obs)  # curve: the request's context
+        side = 1 if ratio > cfg.refresh_ratio else -1 if ratio < 1 / cfg.refresh_ratio else 0
+        # count generations off the curve on the same side in a row (signed); a good one or a flip restarts
+        self.off_streak = self.off_streak + side if side and self.off_streak * side > 0 else side
+        if abs(self.off_streak) < cfg.refresh_streak:
+            return False
+        self.off_streak = 0
+        self.cost = {**cost_curve(self.target, dataclasses.replace(cfg, repeats=cfg.refresh_repeats), cache=False),
+                     "refreshes": self.cost.get("refreshes", 0) + 1, "refresh_trigger_ratio": round(ratio, 3)}
+        return True
+
+    def observe(self, res, budget: int, sampled: bool = False, ranks: bool = True) -> None:
+        """Record a generation drafted with `budget`: its steps' path ranks (for tau(theta), unless
+        ranks=False) and their drafting + search time (for the cost of that theta: every tree step,
+        greedy or sampled -- the time does not depend on how the tree is accepted)."""
+        if ranks:
+            (self.observed.sampled if sampled else self.observed.greedy).extend(
+                (budget, s["path_ranks"]) for s in res.steps if "path_ranks" in s)
+        ms = [s["draft_ms"] + s["search_ms"] for s in res.steps if "path_ranks" in s and not s.get("copy_only")]
+        if ms:
+            tot, n = self.observed.overhead.get(budget, (0.0, 0))
+            keep = min(1.0, self.cfg.overhead_memory / (n + len(ms)))  # forget old steps: follow the machine
+            self.observed.overhead[budget] = [(tot + sum(ms)) * keep, (n + len(ms)) * keep]
+
+    def overhead_ms(self, theta: int) -> float:
+        """Expected drafting + search ms per step at budget `theta` (`overhead_at` over the per-theta
+        means measured in the calibration and while decoding)."""
+        means = {b: tot / n for b, (tot, n) in self.observed.overhead.items() if n > 0}
+        return overhead_at(means, theta, lambda th: self.drafter.draft_cost_scale(th, self.cfg.max_nodes))
+
+    @staticmethod
+    def rank_rates(observed, probe: int, min_steps: int = 1) -> list[float | None]:
+        """P(the rank-k node is accepted) for k < probe, each over the steps whose budget covered rank k
+        (None where fewer than min_steps did)."""
+        out = []
+        for k in range(probe):
+            rs = [r for b, r in observed if b > k]
+            out.append(statistics.fmean(sum(1 for x in r if x == k) for r in rs) if len(rs) >= min_steps else None)
+        return out
+
+    def choose(self, sampled: bool = False) -> None:
+        """Re-choose theta from everything observed: greedy decoding's, or (sampled=True) sampling's,
+        where drafts are accepted less often and a smaller tree can pay better."""
+        probe = self.cfg.max_nodes
+        # tau(theta) = 1 + sum over k < theta of P(the rank-k node is accepted), each term over the
+        # steps whose budget covered rank k. Why per term: after theta is chosen, only ranks < theta
+        # get new (bench-prompt) steps; averaging whole sums per theta would mix two prompt
+        # populations at the boundary and make tau(theta) jump and dip there, pulling theta toward
+        # wherever it already is. Per-term estimates keep tau(theta) non-decreasing.
+        # Sampling (T > 0): a rank's rate from the sampled steps once `sampled_min_steps` of them
+        # covered it, else the greedy rate scaled by what the covered ranks show (sampled over greedy
+        # acceptance, at most 1). Unscaled, the ranks beyond the current theta would keep greedy
+        # decoding's rates and look far better than they are at T > 0 (docs/speed.md). With no covered
+        # rank yet, the greedy rate as it is.
+        rates = self.rank_rates(self.observed.greedy, probe)
+        if sampled:
+            own = self.rank_rates(self.observed.sampled, probe, self.cfg.sampled_min_steps)
+            greedy = [r or 0.0 for r in rates]
+            greedy_seen = sum(r for o, r in zip(own, greedy) if o is not None)
+            scale = min(1.0, sum(o for o in own if o is not None) / greedy_seen) if greedy_seen > 0 else 1.0
+            rates = [o if o is not None else r * scale for o, r in zip(own, greedy)]
+        tau = [1.0]
+        for r in rates:
+            tau.append(tau[-1] + (r or 0.0))
+        budget = {**choose_budget(tau, self.cost["verify_ms"], self.overhead_ms),
+                  "tau_by_theta": [round(v, 4) for v in tau],
+                  "steps_observed": len(self.observed.sampled if sampled else self.observed.greedy),
+                  "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"],
+                  "cost_refreshes": self.cost.get("refreshes", 0)}
+        if sampled:
+            self.budget_sampled = budget
+        else:
+            self.budget = budget
+        self.apply(budget)
+
+    def apply(self, budget: dict, curve: dict[int, float] | None = None) -> None:
+        """Put `budget`'s theta (and the cost model behind it, `curve`: verify ms by tree size) on the drafter."""
+        theta = budget["theta"]
+        if theta:
+            self.drafter.set_budget(theta)
+            self.drafter.set_cost_model(curve or self.cost["verify_ms"], self.overhead_ms(theta),
+                                        budget["tau_by_theta"])
+
+    def for_context(self, budget: dict, curve: dict[int, float]) -> dict:
+        """`budget` re-chosen for one request: the same tau(theta), each tree priced by the verify curve at
+        the request's context length (`curve_at`; a long prompt makes every node dearer)."""
+        if curve is self.cost["verify_ms"]:
+            return budget
+        return {**budget, **choose_budget(budget["tau_by_theta"], curve, self.overhead_ms)}
+
+    def learns(self, sampled: bool) -> bool:
+        """Does this drafter's theta follow the acceptance it observes in this mode (`Drafter.adapts_budget`)?"""
+        return self.drafter.adapts_budget_sampled if sampled else self.drafter.adapts_budget
+
+    def probe(self, budget: dict, sampled: bool) -> dict:
+        """In AR fallback, every `fallback_probe_every`-th generation decodes with the best tree anyway
+        (the theta of the highest expected speed): a fallback drafts no tree, so only a probe's steps can
+        show that trees pay again (BudgetConfig.fallback_probe_every)."""
+        self.fallback_runs[sampled] += 1
+        if self.fallback_runs[sampled] % self.cfg.fallback_probe_every:
+            return budget
+        speed = budget["expected_speedup_by_theta"]
+        theta = max(range(1, len(speed)), key=lambda th: (speed[th], -th))
+        return {**budget, "theta": theta, "fallback_to_ar": False, "probe": True}
+
+    # -- batches
+    def batch_curve(self, rows: int) -> dict[int, float]:
+        """Verify ms of one step over `rows` rows by nodes per row: the measured surface t(B, N)
+        (`batch_cost_curve` at the batch sizes around `rows`), interpolated in B."""
+        sizes = self.cfg.batch_sizes
+        lo = max((b for b in sizes if b <= rows), default=sizes[0])
+        hi = min((b for b in sizes if b >= rows), default=sizes[-1])
+        for b in {lo, hi}:
+            if b not in self.batch_costs:
+                self.batch_costs[b] = batch_cost_curve(self.target, b, self.cfg)
+        return interpolate_batch({b: self.batch_costs[b] for b in {lo, hi}}, rows)
+
+    @torch.no_grad()
+    def head_batch_ms(self, rows: int, repeats: int = 5) -> dict[int, float] | None:
+        """{1: ms, rows: ms} of one DART head forward for a single row and for `rows` rows together
+        (`drafters.draft_logits_batch`; two new positions per row after 128 cached, the full masks), timed
+        here once per size; None for drafters without a batched head forward (EAGLE-3, pld, ...)."""
+        from .drafters import DartDrafter, draft_logits_batch
+
+        if not isinstance(self.drafter, DartDrafter) or self.new_drafter is None:
+            return None
+        for n in {1, rows} - set(self.head_ms):
+            ds = [self.new_drafter() for _ in range(n)]
+            g = torch.Generator().manual_seed(0)
+            H3, dev = 3 * self.target.hidden_size, self.target.device
+            for d in ds:
+                d.begin(self.target, torch.randint(3, 1000, (129,), generator=g).tolist(),
+                        torch.randn(128, H3, generator=g).to(dev, self.target.dtype))
+            times = []
+            for r in range(repeats + 1):  # round 0 feeds the 128-token prefix and warms up
+                sync(dev)
+                t0 = time.perf_counter()
+                draft_logits_batch(ds) if n > 1 else ds[0].draft_logits()
+                sync(dev)
+                if r:
+                    times.append((time.perf_counter() - t0) * 1e3)
+                for d in ds:
+                    d.observe([5, 6], torch.randn(2, H3, generator=g).to(dev, self.target.dtype))
+            self.head_ms[n] = statistics.median(times)
+        return self.head_ms
+
+    def batch_policy(self, prompts, sampled: bool, max_new_tokens: int, drafters):
+        """live rows -> (theta, verify curve): tau(theta) per row from the calibration, the step priced by
+        the batched surface at that many rows (grown to the batch's mean context as the batch-1 curve
+        grows) plus every row's drafting + search, each row's tokens counted:
+            expected speed(theta) = rows * tau(theta) / (t(rows, theta + 1) + rows * t_draft(theta)).
+        Re-chosen whenever rows finish; theta 0 = batched AR steps. `policy.chosen`: rows -> the choice."""
+        if sampled and self.budget_sampled is None:
+            self.choose(sampled=True)
+        tau = (self.budget_sampled if sampled else self.budget)["tau_by_theta"]
+        for rows in range(1, len(prompts) + 1):  # time the surface now, not inside the timed decode
+            self.batch_curve(rows)
+            self.head_batch_ms(rows)
+        context = statistics.fmean(len(p) for p in prompts) + max_new_tokens // 2
+        short, long = self.cost["verify_ms"], curve_at(self.cost, context)
+        grow = {n: long[n] / short[n] for n in short}
+
+        def policy(rows: int):
+            if rows not in policy.chosen:
+                curve = {n: ms * interpolate(grow, n) for n, ms in self.batch_curve(rows).items()}
+                head = self.head_batch_ms(rows)
+                if head is None:  # every row drafts on its own
+                    over = lambda th: rows * self.overhead_ms(th)  # noqa: E731
+                else:  # one head forward for the batch, the search (and the rest) per row
+                    over = lambda th: head[rows] + rows * max(self.overhead_ms(th) - head[1], 0.0)  # noqa: E731
+                chosen = choose_budget(tau, curve, over)
+                if chosen["theta"]:
+                    for d in drafters:
+                        d.set_cost_model(curve, self.overhead_ms(chosen["theta"]), tau)
+                policy.chosen[rows] = {**chosen, "curve": curve}
+            return policy.chosen[rows]["theta"], policy.chosen[rows]["curve"]
+
+        policy.chosen = {}
+        return policy
+
+
+def weights_digest(drafter) -> str:
+    """A cheap fingerprint of a drafter's head weights (every 997th value of every tensor): part of its
+    calibration's cache key."""
+    head = getattr(drafter, "head", None)
+    if head is None:
+        return ""
+    h = hashlib.sha256()
+    for name, p in head.state_dict().items():
+        h.update(name.encode() + p.detach().float().flatten()[::997].cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

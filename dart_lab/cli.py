@@ -53,13 +53,13 @@ def _add_target_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                    help="embedded name or HF id/path of the target")
     p.add_argument("--device", default="auto")
     if dtype:
-        p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16")
+        p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 | int4 (4-bit weight-only matmuls, fast runner on a CPU)")
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     _add_target_args(p)
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target's steps (fast runner; ~33 s of compiling per new step shape on a 2-core CPU)")
+                   help="torch.compile the target's steps (fast runner; tens of seconds of compiling per new step shape on a small CPU)")
     add_fields(p, GenerationConfig, skip=("stop_on_eos",))
     add_fields(p, MethodOptions)
 
@@ -193,7 +193,7 @@ def cmd_generate(args) -> int:
                               "tokens_per_s": round(res.tokens_per_s, 3), "batch_size": len(ids),
                               "prefill_s": res.prefill_s, "decode_s": res.decode_s,
                               "stop_reasons": [r.stop_reason for r in res.rows], "method": res.method,
-                              "target": args.target, "dtype": str(target.dtype), "device": str(target.device),
+                              "target": args.target, "dtype": target.precision, "device": str(target.device),
                               "config": res.config}))
         else:
             print("\n\n".join(f"[{i}] {r.text}" for i, r in enumerate(res.rows)))
@@ -203,7 +203,7 @@ def cmd_generate(args) -> int:
         print(json.dumps({"text": res.text, "new_tokens": res.new_tokens, "tokens_per_s": round(res.tokens_per_s, 3),
                           "tau": res.tau, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
                           "stop_reason": res.stop_reason, "method": res.method, "target": args.target,
-                          "dtype": str(target.dtype), "device": str(target.device), "config": res.config}))
+                          "dtype": target.precision, "device": str(target.device), "config": res.config}))
     else:
         print(res.text)
     return 0
@@ -253,7 +253,7 @@ def cmd_calibrate(args) -> int:
         r = make_runner(m, target, opts, refresh=args.refresh)
         if r.budget is None:
             raise DartLabError(f"method {m!r}: the tree budget is fixed (--tree-nodes {opts.tree_nodes}), nothing to calibrate")
-        c, b = r.cost, r.budget
+        c, b = r.controller.cost, r.budget
         load = c.get("machine_load") or {}
         print(f"{m}: theta {b['theta']} (expected {b['expected_speedup_vs_ar']:.2f}x AR"
               f"{', AR fallback' if b['fallback_to_ar'] else ''}); verify ms by nodes "

@@ -1,7 +1,7 @@
 """A lean target runner for the Llama family (Llama, Mistral, Qwen2, Qwen3): the same `Target`
 interface, a plain-PyTorch forward over the HF model's own weights and modules.
 
-Why (issue "speed where the user is"): on a CPU most of the extra cost of verifying a big tree
+Why: on a CPU most of the extra cost of verifying a big tree
 through the HF public forward is overhead -- the 4D additive mask HF rebuilds, a DynamicCache that
 grows by concatenation every step, the full hidden-states tuple -- not the matmuls. Here:
   - a preallocated KV cache (L, 1, kv_heads, capacity, head_dim) per K and V, written in place;
@@ -12,11 +12,15 @@ grows by concatenation every step, the full hidden-states tuple -- not the matmu
   - logits only where needed (prefill: the last row unless asked for all);
   - on a CPU, the projections as oneDNN-packed fused weights (q|k|v and gate|up as one matmul each):
     the packed layout lets oneDNN skip re-blocking the weight at every call, which is most of a
-    small-M matmul's time here (all 30 layers' matmuls at M=1 in bf16: 22 -> 15 ms, 2-core EPYC).
+    small-M matmul's time (docs/speed.md);
+  - `weights="int4"` (`--dtype int4`): 4-bit weight-only matmuls (torch's CPU int4 kernel) over the same
+    values where the weights are 4-bit grids, as the embedded target's GGUF Q4_1 layers are: a one-token
+    step reads ~4.5 bits per weight instead of 32 (`Int4Linear`; docs/speed.md for what it measures).
   - optionally (`compile=True`, `--compile`), one-token steps and tree verifies through `torch.compile`
     with static shapes (`StepGraph`: nodes padded to a few buckets, attention over the cache in fixed
     multiples of slots under the additive mask, inductor's freezing packing the weights): fused small
-    ops, ~20-25 % off a step here, but ~33 s of compiling per shape on a 2-core CPU, so off by default.
+    ops and a cheaper step, but tens of seconds of compiling per shape on a small CPU, so off by default
+    (experiments/engine/compile_bench.py).
 Norms and rotary embedding are the HF modules' own; the packed copies are rebuilt when the model's
 dtype or device changes, so a `model.to(dtype)` applies here too. `target.Target` (the public forward) stays the reference:
 tests/test_fast_runner.py checks logits, aux states and compaction against it on random trees.
@@ -68,8 +72,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 @functools.lru_cache(maxsize=None)
 def _packs_here(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs a `dtype` weight on this CPU, tried once on a tiny one: bf16 needs AVX-512
-    (bw/vl/dq) or AVX-NE-CONVERT, and an AVX2-only CPU raises (seen on an AMD EPYC VM: every bf16
-    forward of the fast runner failed there); without packing the runner uses plain F.linear."""
+    (bw/vl/dq) or AVX-NE-CONVERT, and an AVX2-only CPU raises; without packing the runner uses plain
+    F.linear."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
         return True
@@ -125,6 +129,94 @@ class PackedProjection:
             with torch.no_grad():
                 self.pack, self.key = PackedLinear(*self.mods), key
         return self.pack(x)
+
+
+def can_int4(device: torch.device) -> bool:
+    """4-bit weight-only matmuls (`Int4Linear`): torch's CPU kernel for int4-packed weights."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def int4_groups(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """w (N, K) -> (q (N, K) int32 in 0..15, scale, low (N, K/group, 1)) with w == q * scale + low per group of
+    `group` inputs, or None when w is not such a grid (max error > 1e-5 of the group's range).
+
+    A GGUF Q4_1 block is exactly this (paper-independent: the embedded target ships its layers so), and its
+    dequantised values are what the HF loader gives us; the grid is recovered from the values alone: low = the
+    group's minimum (its q is 0), scale = the smallest step between distinct values (q's run 0..15 with no
+    gap in practice; the range over that step gives how many steps the group spans)."""
+    N, K = w.shape
+    if K % group:
+        return None
+    g = w.detach().float().reshape(N, K // group, group)
+    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    span = (high - low).clamp_min(1e-30)
+    d = g.sort(-1).values.diff(dim=-1)
+    d = torch.where(d > 1e-4 * span, d, torch.full_like(d, float("inf"))).amin(-1, keepdim=True)
+    steps = torch.where(torch.isfinite(d), (span / d).round().clamp(1, 15), torch.ones_like(d))
+    scale = span / steps
+    q = ((g - low) / scale).round().clamp(0, 15)
+    if ((q * scale + low - g).abs() > 1e-5 * span).any():
+        return None
+    return q.reshape(N, K).to(torch.int32), scale, low
+
+
+class Int4Linear:
+    """y = x W^T + b with W held as 4-bit groups (torch's int4-packed CPU layout): W's own values when W is a
+    4-bit grid (`int4_groups`; the embedded target's layers are GGUF Q4_1), read at ~4.5 bits per weight
+    instead of 32. The kernel multiplies in bf16 (x and each group's scale and zero rounded to bf16), so it
+    is another arithmetic over the same weights, like a dtype: `dtype="int4"`, chosen by measured speed
+    under the argmax-agreement guard (loading.choose_dtype). x and y stay in x's dtype."""
+
+    group = 32
+
+    def __init__(self, *mods: torch.nn.Linear, groups: tuple | None = None):
+        w = torch.cat([m.weight.detach() for m in mods])
+        self.b = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
+        q, scale, low = groups or int4_groups(w, self.group)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel's dequantisation is (q - 8) * scale + zero; (K/group, N, 2)
+        self.sz = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., sum of out)."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16), self.w,
+                                                       self.group, self.sz).to(x.dtype)
+        if self.b is not None:
+            y = y + self.b
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def int4_projections(model) -> tuple[list, object, dict]:
+    """Per layer (qkv, o, gate_up, down) as `Int4Linear`s where the weights are 4-bit grids (else F.linear on
+    the module's weights), the LM head in bf16 (the embedded target's is Q8_0, not a 4-bit grid), and a
+    report: how many linears run in 4 bits."""
+    n4 = n = read = 0
+
+    def proj(*mods):
+        nonlocal n4, n, read
+        n += 1
+        w = torch.cat([m.weight.detach() for m in mods])
+        grid = int4_groups(w, Int4Linear.group)
+        if grid is not None:
+            n4 += 1
+            lin = Int4Linear(*mods, groups=grid)
+            read += lin.w.numel() * lin.w.element_size() + lin.sz.numel() * lin.sz.element_size()
+            return lin
+        read += w.numel() * w.element_size()
+        return _side_by_side(*mods)
+
+    layers = [(proj(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), proj(l.self_attn.o_proj),
+               proj(l.mlp.gate_proj, l.mlp.up_proj), proj(l.mlp.down_proj)) for l in model.model.layers]
+    head_w = model.lm_head.weight.detach().to(torch.bfloat16)
+    head_b = None if model.lm_head.bias is None else model.lm_head.bias.detach().to(torch.bfloat16)
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), head_w, head_b)
+
+    read += head_w.numel() * head_w.element_size()
+    # what a one-token step reads of the weights (norms and one embedding row aside)
+    return layers, head, {"int4_linears": n4, "linears": n, "lm_head": "bf16", "step_weight_bytes": read}
 
 
 def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positions: torch.Tensor,
@@ -223,8 +315,8 @@ class StepGraph(torch.nn.Module):
         if shape in self.shapes:
             return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
         self.shapes.add(shape)
-        # freezing is read while compiling (torch.compile's `options` did not reach it here: the linears
-        # stayed aten::mm, 21 -> 28 ms per one-token step), so it is set around the call that compiles
+        # freezing is read while compiling (passed through torch.compile's `options` it did not reach the
+        # compiler: the linears stayed aten::mm, unpacked), so it is set around the call that compiles
         with torch._inductor.config.patch(freezing=True):
             return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
 
@@ -237,14 +329,15 @@ class FastTarget(Target):
     fp32_attention: bool = True  # CPU, half types: K/V cache and attention in fp32 (see _forward)
     pack_weights: bool = True  # CPU, fp32/bf16: oneDNN-packed fused projections (module docstring)
     # torch.compile of one-token steps and tree verifies (StepGraph; prefill stays eager): off by default,
-    # compiling costs ~33 s per shape here and pays only over long runs (reproduce/compile_bench.py)
+    # compiling costs tens of seconds per shape on a small CPU and pays only over long runs
+    # (experiments/engine/compile_bench.py)
     compile: bool = False
     node_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)  # a step of N nodes runs padded to the next of these
     key_bucket: int = 256  # attention reads the cache in multiples of this many slots
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
-    # writes by index_copy_, paired in one process -0.7 to -1.3 ms per step)
+    # writes by index_copy_)
     runner_revision = 3
 
     def __post_init__(self) -> None:
@@ -262,6 +355,7 @@ class FastTarget(Target):
         self.runner = "fast"
         self._k = self._v = None
         self._packed, self._packed_key, self._params = None, None, None
+        self._int4_packed, self._int4_key = None, None
         self._kv_views, self._step_graph = None, None
         self.compile_seconds = 0.0  # time spent in first calls of new shapes (compiling), this target's life
 
@@ -276,10 +370,7 @@ class FastTarget(Target):
         if not self.packs_weights:
             return None
         inner = self.model.model
-        if self._params is None:  # listed once: walking the module tree every step cost ~0.6 ms
-            self._params = list(self.model.parameters())
-        # a weight replaced (new storage) or edited in place (version bump) changes the key
-        key = (self.dtype, self.device, [p.data_ptr() for p in self._params], sum(p._version for p in self._params))
+        key = self._weights_key()
         if key != self._packed_key:
             with torch.no_grad():
                 layers = [(PackedLinear(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj),
@@ -287,6 +378,34 @@ class FastTarget(Target):
                            PackedLinear(l.mlp.down_proj)) for l in inner.layers]
                 self._packed, self._packed_key = (layers, PackedLinear(self.model.lm_head)), key
         return self._packed
+
+    @property
+    def compiled_shapes(self) -> set:
+        """(node bucket, key bucket) shapes compiled so far (`compile=True`), each once."""
+        return set(self._step_graph.shapes) if self._step_graph is not None else set()
+
+    @property
+    def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V caches (L, 1, kv_heads, capacity, head_dim), None before the first forward."""
+        return None if self._k is None else (self._k, self._v)
+
+    def _weights_key(self) -> tuple:
+        if self._params is None:  # listed once: walking the module tree every step cost ~0.6 ms
+            self._params = list(self.model.parameters())
+        # a weight replaced (new storage) or edited in place (version bump) changes the key
+        return (self.dtype, self.device, [p.data_ptr() for p in self._params], sum(p._version for p in self._params))
+
+    def _int4(self) -> tuple[list, object]:
+        """`int4_projections` of the current weights, built on first use and when the weights change."""
+        if not can_int4(self.device):
+            raise RuntimeError(f"int4 weights need torch's CPU int4 kernel (device {self.device.type})")
+        key = self._weights_key()
+        if key != self._int4_key:
+            with torch.no_grad():
+                layers, head, report = int4_projections(self.model)
+            self._int4_packed, self._int4_key = (layers, head), key
+            self.dtype_report = {**self.dtype_report, "int4": report}
+        return self._int4_packed
 
     # -- cache
     @property
@@ -321,9 +440,15 @@ class FastTarget(Target):
         return allowed.to(self.device)
 
     # -- forward
-    def _eager_projections(self) -> tuple[list, object]:
-        """Per layer (qkv, o, gate_up, down) callables and the LM head for the eager forward: oneDNN-packed
-        where that applies, else the HF modules' own weights through F.linear (q|k|v, gate|up side by side)."""
+    def projections(self, prefill: bool = False) -> tuple[list, object]:
+        """Per layer (qkv, o, gate_up, down) callables and the LM head for an eager forward: 4-bit
+        (`Int4Linear`) for decoding steps when `weights` is "int4" (every verify, any tree size, so AR and
+        speculation run one arithmetic: greedy outputs part only at near-ties); a prompt (prefill) always
+        through the dense weights, since the 4-bit CPU kernel's cost grows about linearly in rows and a
+        prompt is many rows. Else oneDNN-packed where that applies, else the HF modules' own weights through
+        F.linear (q|k|v, gate|up side by side)."""
+        if self.weights == "int4" and not prefill:
+            return self._int4()
         packs = self._packs()
         if packs:
             return packs
@@ -335,7 +460,7 @@ class FastTarget(Target):
                  rows: slice | None = None) -> TargetOutput:
         """ids, positions (N,); mask (N, P+N) bool or None (causal prefill / a single token)."""
         P, N = self.seq_len, ids.numel()
-        if self.compile and (P > 0 or N == 1):
+        if self.compile and self.weights == "dense" and (P > 0 or N == 1):
             out = self._compiled_step(ids, positions, mask, want_aux)
             if out is not None:
                 return out
@@ -343,15 +468,14 @@ class FastTarget(Target):
         dev = self.device
         # a half type on a CPU: the K/V cache is kept in fp32 (the bf16-rounded values, so the same
         # numbers) and attention runs in fp32 -- SDPA's CPU kernel is faster there than in bf16, and no
-        # cast of the cache per call (9 heads, 300 keys: 1 query 38 vs 188 us bf16 / 124 us cast at
-        # use; 8 queries 90 vs 123 us; 2-core EPYC)
+        # cast of the cache per call (docs/speed.md)
         attn_mask = None
         if mask is not None:  # additive, built once per forward: a bool mask is converted by SDPA in every
-            # layer (2 ops each; ~9 us of a ~80 us tree attention per layer, 2-core EPYC, 300 keys)
+            # layer (2 ops each, a tenth of a tree attention's time)
             attn_mask = torch.zeros(mask.shape, dtype=self.cache_dtype, device=dev).masked_fill_(
                 ~mask.to(dev), float("-inf"))[None, None]
         slots = torch.arange(P, P + N, device=dev)
-        logits, aux = decoder_step(self.model, *self._eager_projections(), self._geometry(), ids.to(dev),
+        logits, aux = decoder_step(self.model, *self.projections(prefill=P == 0), self._geometry(), ids.to(dev),
                                    positions.to(dev), slots, self._layer_caches(), P + N, attn_mask,
                                    causal=mask is None and N > 1 and P == 0, rows=rows)
         return TargetOutput(logits, aux if want_aux else None)
@@ -365,7 +489,7 @@ class FastTarget(Target):
             self._kv_views = (list(self._k.unbind(0)), list(self._v.unbind(0)))
         return self._kv_views
 
-    # -- compiled steps (issue "speed where the user is", item 2)
+    # -- compiled steps
     def _compiled_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                        want_aux: bool) -> TargetOutput | None:
         """A one-token step or tree verify through `torch.compile` with static shapes: N nodes padded to
@@ -399,9 +523,7 @@ class FastTarget(Target):
 
     def _graph(self) -> "StepGraph":
         """The compiled step for the model's current weights (rebuilt, and recompiled, when they change)."""
-        if self._params is None:
-            self._params = list(self.model.parameters())
-        key = (self.dtype, self.device, [p.data_ptr() for p in self._params], sum(p._version for p in self._params))
+        key = self._weights_key()
         if self._step_graph is None or self._step_graph.key != key:
             self._step_graph = StepGraph(self, key)
         return self._step_graph

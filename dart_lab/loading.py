@@ -6,6 +6,7 @@ model or tokenizer, an unknown dtype or device); the CLI prints it without a tra
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from .assets import EMBEDDED_FILES, cache_dir, embedded_file
 from .atomic import atomic_dir
 from .budget import measure_verify
 from .errors import DartLabError
-from .fast_llama import FastTarget, unsupported_reason
+from .fast_llama import FastTarget, can_int4, unsupported_reason
 from .target import Target
+from .tree import Tree
 
 EMBEDDED_MODELS = ("smollm2-135m",)
 _CACHE_FORMAT = 1
@@ -41,75 +43,111 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1, 32),
-                 rounds: int = 3) -> tuple[torch.dtype, dict]:
-    """dtype="auto": the dtype that decodes fastest here, decided by timing the shapes decoding runs.
+INT4 = "int4"  # a choice of `choose_dtype` / `use_dtype` beside the torch dtypes: fast_llama.Int4Linear
 
-    On CUDA bf16 (fp16 if bf16 is unsupported) is standard. Elsewhere the target's own runner times a
-    one-token step and a 32-node tree verify (budget.measure_verify) in fp32 and in each half type,
-    `rounds` times interleaved (the order reversed every round), each dtype keeping its fastest reading
-    per size: measured one after the other, a host whose speed drifts picked fp32 in one process and
-    bf16 in the next on the same 2-core VM (bf16 0.94x fp32, then 1.96x). A half type is taken if the
-    sum of both sizes is >= 1.2x faster AND the model's next-token argmax on a probe agrees with fp32
-    on >= 90% of positions. (Measured here before: a one-token step can be slower in bf16 while a tree
-    verify is much faster, so a single matmul probe misleads.) The model comes back with its exact
-    fp32 weights when fp32 wins (not weights rounded through a half type by the probe).
-    Greedy outputs in a half type may differ from fp32 ones; the lossless tests run in fp32.
-    """
-    model, device = target.model, target.device
+
+def use_dtype(target: Target, choice, exact: dict | None = None) -> None:
+    """Run `target` in `choice` (a torch dtype or INT4: fp32 model, 4-bit weight-only matmuls). `exact`: the
+    fp32 state dict to restore first (so fp32 and int4 read the exact weights, not ones rounded by a probe)."""
+    model = target.model
+    if exact is not None:
+        model.to(torch.float32)
+        model.load_state_dict(exact)
+    model.to(torch.float32 if choice == INT4 else choice)
+    target.weights = "int4" if choice == INT4 else "dense"
+
+
+def _name(choice) -> str:
+    return INT4 if choice == INT4 else "float32" if choice == torch.float32 else str(choice)
+
+
+def speculation_prior(n: int) -> float:
+    """Accepted tokens per step of an n-node tree assumed when a dtype is chosen before any method has
+    run: tau(n) = 1 + 0.5 log2(n), between the CPU-trained heads (~2.1 at 60 nodes) and the paper's (3.6);
+    only its shape matters (how much a bigger tree is worth against its cost)."""
+    return 1.0 + 0.5 * math.log2(n)
+
+
+def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1, 2, 4, 8, 16, 32),
+                 rounds: int = 3, int4: bool = True) -> tuple:
+    """dtype="auto": the arithmetic that decodes fastest here, decided by timing the shapes decoding runs.
+
+    On CUDA bf16 (fp16 if bf16 is unsupported) is standard. Elsewhere the target's own runner times a tree
+    verify at each of `sizes` (the trees a budget picks from, budget.measure_verify) in fp32, each half
+    type and (fast runner, CPU, `int4`) 4-bit weight-only matmuls, `rounds` times interleaved (the order
+    reversed every round; each keeps its fastest reading per size: one after the other, a host whose speed
+    drifts picked fp32 in one process and bf16 in the next). Each candidate's decoding speed is predicted
+    twice: plain decoding (1 / cost of one node) and speculation (the best theta under `speculation_prior`
+    against its own curve); the candidate with the best geometric mean of both speedups over fp32 is taken
+    if it is >= 1.03x fp32 AND the runner's next-token argmax on a probe agrees with fp32 on >= 90% of
+    positions. (A rule on the sum of a 1- and a 32-node verify chose fp32 on a CPU where bf16 made every
+    small tree ~1.5x cheaper, and decoding ran trees of at most 5 nodes.) The model comes back with its
+    exact fp32 weights when fp32 or int4 wins. Greedy outputs in another arithmetic may differ from fp32
+    ones at near-ties; the lossless tests run in fp32. Returns (choice, report)."""
+    device = target.device
     report: dict = {"device": device.type, "method": f"verify ms at sizes {list(sizes)}, fastest of {rounds} "
-                    "interleaved rounds"}
+                    "interleaved rounds; predicted speed: AR and speculation_prior"}
     if device.type == "cuda":
         dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         report["choice"] = str(dt)
         return dt, report
-    model.to(torch.float32)
-    exact = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    def use(dt: torch.dtype) -> None:
-        model.to(torch.float32)
-        model.load_state_dict(exact)
-        model.to(dt)
+    target.model.to(torch.float32)
+    exact = {k: v.detach().clone() for k, v in target.model.state_dict().items()}
 
     def argmax():
+        """Next-token argmax at every probe position, through a decoding step (a chain verified after the
+        first token), which is where the candidates' arithmetic differs (int4 prefills densely)."""
         with torch.no_grad():
-            return model(probe_ids.to(device)[None]).logits.argmax(-1)
+            target.prefill(probe_ids[:1])
+            return target.verify(Tree(probe_ids[1:], torch.arange(-1, len(probe_ids) - 2))).logits.argmax(-1)
 
+    order = [torch.float32, torch.bfloat16, torch.float16]
+    if int4 and isinstance(target, FastTarget) and can_int4(device):
+        order.append(INT4)
+    use_dtype(target, torch.float32, exact)
     ref = argmax() if probe_ids is not None else None
     agree: dict = {}
     best: dict = {}
-    order = timed = [torch.float32, torch.bfloat16, torch.float16]
+    timed = order
     for r in range(rounds):
         for dt in (order if r % 2 == 0 else order[::-1]):
             if dt not in timed:
                 continue
             try:
-                use(dt)
+                use_dtype(target, dt, exact)
                 ms = measure_verify(target, sizes, repeats=3, prompt_len=64)
-            except RuntimeError:  # a half type this CPU cannot run
+            except RuntimeError:  # an arithmetic this CPU cannot run
                 continue
             best[dt] = {n: min(v, best.get(dt, {}).get(n, v)) for n, v in ms.items()}
             if dt not in agree:
                 agree[dt] = 1.0 if ref is None or dt == torch.float32 else (argmax() == ref).float().mean().item()
-        # after the first round, a half type several times slower (fp16 on most CPUs) is not timed again
-        timed = [dt for dt in best if sum(best[dt].values()) < 3 * sum(best[torch.float32].values())]
-    base = sum(best[torch.float32].values())
-    choice = torch.float32
+        # after the first round, one several times slower than fp32 (fp16 on most CPUs) is not timed again
+        timed = [dt for dt in best if best[dt][sizes[0]] < 3 * best[torch.float32][sizes[0]]]
+
+    def predicted(dt) -> tuple[float, float]:
+        """(AR, speculation) tokens per second from dt's curve."""
+        curve = best[dt]
+        return 1e3 / curve[sizes[0]], max(1e3 * speculation_prior(n) / curve[n] for n in sizes)
+
+    base = predicted(torch.float32)
+    choice, choice_score = torch.float32, 1.0
     for dt in order:
         if dt not in best:
             continue
-        name = "float32" if dt == torch.float32 else str(dt)  # the fp32 key as before
+        name = _name(dt)
         report[f"{name}_verify_ms"] = {n: round(v, 2) for n, v in best[dt].items()}
+        ar, spec = predicted(dt)
+        report[f"{name}_predicted_tokens_per_s"] = {"ar": round(ar, 2), "speculation": round(spec, 2)}
         if dt == torch.float32:
             continue
-        speed = base / max(sum(best[dt].values()), 1e-9)
-        report[f"{dt}_speedup"] = round(speed, 2)
+        score = math.sqrt(ar / base[0] * spec / base[1])
+        report[f"{name}_speedup"] = round(score, 3)
         if ref is not None:
-            report[f"{dt}_argmax_agreement"] = round(agree[dt], 3)
-        if choice == torch.float32 and speed >= 1.2 and agree[dt] >= 0.9:
-            choice = dt
-    use(choice)
-    report["choice"] = str(choice)
+            report[f"{name}_argmax_agreement"] = round(agree[dt], 3)
+        if score >= 1.03 and score > choice_score and agree[dt] >= 0.9:
+            choice, choice_score = dt, score
+    use_dtype(target, choice, exact)
+    report["choice"] = INT4 if choice == INT4 else str(choice)
     return choice, report
 
 
@@ -184,8 +222,8 @@ def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype:
             raise DartLabError(f"unknown model {name_or_path!r}: not an embedded name ({', '.join(EMBEDDED_MODELS)}), "
                                "not a local path, not a hub id")
         path = path if path.exists() else name_or_path
-    if isinstance(dtype, str) and dtype != "auto" and dtype not in _DTYPES:
-        raise DartLabError(f"unknown dtype {dtype!r}: use auto, fp32, bf16 or fp16")
+    if isinstance(dtype, str) and dtype not in ("auto", "int4") and dtype not in _DTYPES:
+        raise DartLabError(f"unknown dtype {dtype!r}: use auto, fp32, bf16, fp16 or int4")
     if isinstance(path, Path) and path.is_dir() and not (path / "config.json").is_file():
         raise DartLabError(f"cannot load model {name_or_path!r}: the folder has no config.json (not a HF model folder)")
     try:
@@ -198,12 +236,16 @@ def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype:
     target = make_target(model, tok, name=str(name_or_path), runner=runner)
     if compile and not isinstance(target, FastTarget):
         raise DartLabError(f"--compile needs the fast runner (Llama family); {name_or_path!r} runs through the HF forward")
+    if dtype == "int4" and not (isinstance(target, FastTarget) and can_int4(dev)):
+        raise DartLabError("dtype int4 needs the fast runner (Llama family) on a CPU")
+    if dtype == "int4" and compile:
+        raise DartLabError("--compile runs dense weights; use another dtype with it")
     if dtype == "auto":
         probe = tok("The quick brown fox jumps over the lazy dog. " * 4, return_tensors="pt").input_ids[0][:48]
-        torch_dtype, target.dtype_report = choose_dtype(target, probe)
+        choice, target.dtype_report = choose_dtype(target, probe, int4=not compile)
     else:
-        torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
-    model.to(torch_dtype)
+        choice = dtype if isinstance(dtype, torch.dtype) else INT4 if dtype == "int4" else _DTYPES[dtype]
+    use_dtype(target, choice)
     # after the dtype choice: its probe times eager steps (compiling there would time the compiler and
     # build graphs for a dtype that may not be kept)
     target.compile = compile

@@ -8,30 +8,23 @@ plumbing tests — freshly initialised heads (correct but useless drafts; result
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .assets import cache_dir, resolve_hub
-from .atomic import write_json
+from .assets import resolve_hub
 from .batch import BatchResult, generate_batch, hf_generate_batch
-from .budget import (CALIBRATION_PROMPTS, BudgetConfig, batch_cost_curve, calibration_key, choose_budget, cost_curve,
-                     curve_at, interpolate, interpolate_batch, overhead_at)
+from .budget import BudgetConfig, BudgetController
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
-from .drafters import (ContextConfig, ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
-                       SPSDrafter, draft_logits_batch)
+from .dart_ctx import ContextConfig, ContextDrafter
+from .drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, generate, hf_generate
+from .llamacpp import LlamaCpp, unavailable_reason as llamacpp_unavailable
 from .loading import load_target
-from .machine import LoadMeter
-from .target import sync
 from .ngram import NGram, build_ngram
 from .search import TreeSearchConfig
 
@@ -175,218 +168,47 @@ def _sps(target, opts, cache):
     return SPSDrafter(cache["sps"], opts.sps_draft_len)
 
 
-def _weights_digest(drafter) -> str:
-    """A cheap fingerprint of a drafter's head weights (every 997th value of every tensor)."""
-    head = getattr(drafter, "head", None)
-    if head is None:
-        return ""
-    h = hashlib.sha256()
-    for name, p in head.state_dict().items():
-        h.update(name.encode() + p.detach().float().flatten()[::997].cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 class Runner:
     """A decoding method bound to a target: `generate(ids, cfg) -> GenerationResult`.
-    With an automatic tree budget (`budget.py`) it calibrates once when built, drafts with the theta
-    chosen for each request's context length (`_for_context`; when no theta beats AR: plain AR steps,
-    or what the drafter can do without a tree, `Drafter.without_tree`), and re-chooses theta after every
-    generation from the acceptance it observed (steps at budget b inform every theta <= b)."""
+    With an automatic tree budget its `controller` (budget.BudgetController) calibrates once when built,
+    chooses theta for each request's context (when no theta beats AR: plain AR steps, or what the drafter
+    can do without a tree, `Drafter.without_tree`) and learns from every generation."""
 
     def __init__(self, name: str, target, drafter: Drafter | None = None, hf: bool = False,
                  hf_lookup: int | None = None, auto_budget: bool = False, new_drafter: Callable | None = None,
-                 refresh: bool = False):
+                 refresh: bool = False, outside=None):
         self.name, self.target, self.drafter, self.hf, self.hf_lookup = name, target, drafter, hf, hf_lookup
+        self.outside = outside  # another engine decoding the same target (llamacpp.LlamaCpp)
         self.new_drafter = new_drafter  # () -> another drafter of this method (the rows of a batch)
         self._row_drafters: list[Drafter] = []
-        self._batch_costs: dict[int, dict[int, float]] = {}  # batch size -> verify ms by nodes per row
-        self._head_ms: dict[int, float] = {}  # rows -> ms of one batched DART head forward (head_batch_ms)
-        self.budget: dict | None = None  # greedy decoding's theta (and sampling's: budget_sampled)
-        self.budget_sampled: dict | None = None
-        self._observed_sampled: list = []
-        self._off_streak = 0  # consecutive generations whose verify times disagreed with the curve (signed)
-        self._fallback_runs = {False: 0, True: 0}  # generations in AR fallback, per mode (sampled or not)
-        if auto_budget and drafter is not None:
-            self._calibrate(refresh)  # refresh: measure again instead of reading the caches (`dart-lab calibrate`)
+        # refresh: measure again instead of reading the caches (`dart-lab calibrate`)
+        self.controller = BudgetController(target, drafter, refresh=refresh, new_drafter=new_drafter) \
+            if auto_budget and drafter is not None else None
 
-    # -- automatic tree budget
-    def _calibrate(self, refresh: bool = False) -> None:
-        """Cost curve (cached per machine) and a decode of the calibration prompts at the widest budget
-        (its path ranks give tau(theta) for every theta) and at a small one (drafting + search cost
-        at both ends), cached per drafter: head weights, n-gram, search settings, target and dtype."""
-        cfg = BudgetConfig()
-        t = self.target
-        self.cost = cost_curve(t, cfg, refresh=refresh)
-        key = {"drafter": self.drafter.config(), "weights": _weights_digest(self.drafter), "target": t.name,
-               "dtype": str(t.dtype), "budget": calibration_key(cfg), "prompts": CALIBRATION_PROMPTS,
-               "machine": self.cost["fingerprint"]}  # drafting time depends on the machine and runner
-        path = cache_dir() / "calibration" / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str)
-                                                              .encode()).hexdigest()[:16] + ".json")
-        try:
-            if refresh:
-                raise OSError("measure again")
-            saved = json.loads(path.read_text())
-            self._observed = [tuple(x) for x in saved["observed"]]
-            self._overhead_obs = {int(k): v for k, v in saved["overhead_obs"].items()}
-        except (OSError, ValueError, KeyError):
-            self._observed, self._overhead_obs = [], {}  # (budget, path_ranks) of every step; theta -> [ms sum, steps]
-            with LoadMeter() as meter:
-                for budget in (cfg.max_nodes, cfg.small_nodes):  # ranks from the widest; the cost of a small tree too
-                    self.drafter.set_budget(budget)
-                    for text in CALIBRATION_PROMPTS:
-                        ids = t.encode_prompt(text) if t.tokenizer is not None else \
-                            torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
-                        res = generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=cfg.calibration_tokens))
-                        self._observe(res, budget)
-            if not meter.load["contended"]:  # drafting times of a busy moment serve this run only
-                write_json(path, {"observed": self._observed, "overhead_obs": self._overhead_obs,
-                                  "machine_load": meter.load, "measured_at": time.time()})
-        self._choose()
+    @property
+    def budget(self) -> dict | None:
+        """Greedy decoding's chosen tree budget (None without the automatic budget)."""
+        return self.controller.budget if self.controller else None
 
-    def _follow_machine(self, res: GenerationResult, curve: dict[int, float]) -> bool:
-        """Keep the cost curve true to the machine as it is now. When the verify steps just decoded took
-        `refresh_ratio` x longer (or shorter) than the curve predicts for their tree sizes (median over
-        steps) in `refresh_streak` generations in a row, the curve is measured again (not cached) and
-        theta is re-chosen. A busy machine changes the curve's shape, not only its scale -- one-token
-        steps slowed 4x under contention here while a tree verify, the same number of ops, slowed far
-        less -- so a rescale would not do."""
-        cfg = BudgetConfig()
-        obs = [(s["tree_size"], s["verify_ms"]) for s in res.steps if "tree_size" in s]
-        if len(obs) < cfg.refresh_min_steps:
-            return False
-        ratio = statistics.median(ms / interpolate(curve, n) for n, ms in obs)  # curve: the request's context
-        side = 1 if ratio > cfg.refresh_ratio else -1 if ratio < 1 / cfg.refresh_ratio else 0
-        # count generations off the curve on the same side in a row (signed); a good one or a flip restarts
-        self._off_streak = self._off_streak + side if side and self._off_streak * side > 0 else side
-        if abs(self._off_streak) < cfg.refresh_streak:
-            return False
-        self._off_streak = 0
-        self.cost = {**cost_curve(self.target, dataclasses.replace(cfg, repeats=cfg.refresh_repeats), cache=False),
-                     "refreshes": self.cost.get("refreshes", 0) + 1, "refresh_trigger_ratio": round(ratio, 3)}
-        return True
-
-    def _observe(self, res: GenerationResult, budget: int, sampled: bool = False, ranks: bool = True) -> None:
-        """Record a generation drafted with `budget`: its steps' path ranks (for tau(theta), unless
-        ranks=False) and their drafting + search time (for the cost of that theta: every tree step,
-        greedy or sampled -- the time does not depend on how the tree is accepted)."""
-        if ranks:
-            (self._observed_sampled if sampled else self._observed).extend(
-                (budget, s["path_ranks"]) for s in res.steps if "path_ranks" in s)
-        ms = [s["draft_ms"] + s["search_ms"] for s in res.steps if "path_ranks" in s and not s.get("copy_only")]
-        if ms:
-            tot, n = self._overhead_obs.get(budget, (0.0, 0))
-            keep = min(1.0, BudgetConfig().overhead_memory / (n + len(ms)))  # forget old steps: follow the machine
-            self._overhead_obs[budget] = [(tot + sum(ms)) * keep, (n + len(ms)) * keep]
-
-    def overhead_ms(self, theta: int) -> float:
-        """Expected drafting + search ms per step at budget `theta` (`budget.overhead_at` over the
-        per-theta means measured in the calibration and while decoding)."""
-        means = {b: tot / n for b, (tot, n) in self._overhead_obs.items() if n > 0}
-        return overhead_at(means, theta, lambda th: self.drafter.draft_cost_scale(th, BudgetConfig().max_nodes))
-
-    @staticmethod
-    def _rank_rates(observed, probe: int, min_steps: int = 1) -> list[float | None]:
-        """P(the rank-k node is accepted) for k < probe, each over the steps whose budget covered rank k
-        (None where fewer than min_steps did)."""
-        out = []
-        for k in range(probe):
-            rs = [r for b, r in observed if b > k]
-            out.append(statistics.fmean(sum(1 for x in r if x == k) for r in rs) if len(rs) >= min_steps else None)
-        return out
-
-    def _choose(self, sampled: bool = False) -> None:
-        """Re-choose theta from everything observed: greedy decoding's, or (sampled=True) sampling's,
-        where drafts are accepted less often and a smaller tree can pay better."""
-        probe = BudgetConfig().max_nodes
-        # tau(theta) = 1 + sum over k < theta of P(the rank-k node is accepted), each term over the
-        # steps whose budget covered rank k. Why per term: after theta is chosen, only ranks < theta
-        # get new (bench-prompt) steps; averaging whole sums per theta would mix two prompt
-        # populations at the boundary and make tau(theta) jump and dip there, pulling theta toward
-        # wherever it already is. Per-term estimates keep tau(theta) non-decreasing.
-        # Sampling (T > 0): a rank's rate from the sampled steps once `sampled_min_steps` of them
-        # covered it, else the greedy rate scaled by what the covered ranks show (sampled over greedy
-        # acceptance, at most 1). Unscaled, the ranks beyond the current theta kept greedy decoding's rates
-        # and looked twice as good as they were: dart at T=1 on Alpaca drafted theta 11 for 20 prompts
-        # (0.96x AR) before those ranks were covered and priced every theta below AR (covered ranks
-        # accepted 0.4-0.6x as often as at T=0). With no covered rank yet, the greedy rate as it is.
-        rates = self._rank_rates(self._observed, probe)
-        if sampled:
-            own = self._rank_rates(self._observed_sampled, probe, BudgetConfig().sampled_min_steps)
-            greedy = [r or 0.0 for r in rates]
-            greedy_seen = sum(r for o, r in zip(own, greedy) if o is not None)
-            scale = min(1.0, sum(o for o in own if o is not None) / greedy_seen) if greedy_seen > 0 else 1.0
-            rates = [o if o is not None else r * scale for o, r in zip(own, greedy)]
-        tau = [1.0]
-        for r in rates:
-            tau.append(tau[-1] + (r or 0.0))
-        budget = {**choose_budget(tau, self.cost["verify_ms"], self.overhead_ms),
-                  "tau_by_theta": [round(v, 4) for v in tau],
-                  "steps_observed": len(self._observed_sampled if sampled else self._observed),
-                  "verify_ms": self.cost["verify_ms"], "fingerprint": self.cost["fingerprint"],
-                  "cost_refreshes": self.cost.get("refreshes", 0)}
-        if sampled:
-            self.budget_sampled = budget
-        else:
-            self.budget = budget
-        self._apply(budget)
-
-    def _apply(self, budget: dict, curve: dict[int, float] | None = None) -> None:
-        """Put `budget`'s theta (and the cost model behind it, `curve`: verify ms by tree size) on the drafter."""
-        theta = budget["theta"]
-        if theta:
-            self.drafter.set_budget(theta)
-            self.drafter.set_cost_model(curve or self.cost["verify_ms"], self.overhead_ms(theta),
-                                        budget["tau_by_theta"])
-
-    def _for_context(self, budget: dict, curve: dict[int, float]) -> dict:
-        """`budget` re-chosen for one request: the same tau(theta), each tree priced by the verify curve at
-        the request's context length (`budget.curve_at`; a long prompt makes every node dearer)."""
-        if curve is self.cost["verify_ms"]:
-            return budget
-        return {**budget, **choose_budget(budget["tau_by_theta"], curve, self.overhead_ms)}
-
-    def _learns(self, sampled: bool) -> bool:
-        """Does this drafter's theta follow the acceptance it observes in this mode (`Drafter.adapts_budget`)?"""
-        return self.drafter.adapts_budget_sampled if sampled else self.drafter.adapts_budget
-
-    def _probe(self, budget: dict, sampled: bool) -> dict:
-        """In AR fallback, every `fallback_probe_every`-th generation decodes with the best tree anyway
-        (the theta of the highest expected speed): a fallback drafts no tree, so only a probe's steps can
-        show that trees pay again (BudgetConfig.fallback_probe_every)."""
-        self._fallback_runs[sampled] += 1
-        if self._fallback_runs[sampled] % BudgetConfig().fallback_probe_every:
-            return budget
-        speed = budget["expected_speedup_by_theta"]
-        theta = max(range(1, len(speed)), key=lambda th: (speed[th], -th))
-        return {**budget, "theta": theta, "fallback_to_ar": False, "probe": True}
+    @property
+    def budget_sampled(self) -> dict | None:
+        return self.controller.budget_sampled if self.controller else None
 
     def generate(self, prompt_ids, cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
         if self.hf:
             return hf_generate(self.target, prompt_ids, cfg, prompt_lookup_num_tokens=self.hf_lookup)
+        if self.outside is not None:
+            return self.outside.generate(prompt_ids, cfg)
         sampled = not cfg.greedy
         budget = curve = None
-        if self.budget is not None:  # sampling has its own theta, from its own acceptance
-            if sampled and self.budget_sampled is None:
-                self._choose(sampled=True)
-            # every tree priced at this request's mean committed context (prompt + half the answer)
-            context = len(prompt_ids) + cfg.max_new_tokens // 2
-            curve = curve_at(self.cost, context)
-            budget = {**self._for_context(self.budget_sampled if sampled else self.budget, curve), "context": context}
-            if budget["fallback_to_ar"] and self._learns(sampled):
-                budget = self._probe(budget, sampled)
-            self._apply(budget, curve)
+        if self.controller is not None:
+            budget, curve = self.controller.plan(len(prompt_ids), sampled, cfg.max_new_tokens)
         fallback = budget is not None and budget["fallback_to_ar"]
         drafter = self.drafter.without_tree(curve) if fallback else self.drafter
         res = generate(self.target, prompt_ids, drafter, cfg)
         res.method = self.name
         if budget is not None:
-            refreshed = self._follow_machine(res, curve)
-            if not fallback:
-                self._observe(res, budget["theta"], sampled, ranks=self._learns(sampled))
-            if refreshed:  # a new cost curve: both thetas again
-                self._choose()
-            if refreshed or not fallback:
-                self._choose(sampled)
+            self.controller.learn(res, budget, curve, sampled)
             res.config["tree_budget"] = {k: budget[k] for k in ("theta", "fallback_to_ar", "expected_speedup_vs_ar",
                                                                 "context") + (("probe",) if "probe" in budget else ())}
         return res
@@ -395,94 +217,25 @@ class Runner:
     def generate_batch(self, prompts, cfg: GenerationConfig = GenerationConfig()) -> BatchResult:
         """Decode `prompts` together (`batch.generate_batch`); row 0 drafts with this runner's drafter,
         the others with drafters of the same method (`new_drafter`), kept for later batches. With the
-        automatic budget, theta is chosen for the batch's live rows (`_batch_policy`)."""
+        automatic budget, theta is chosen for the batch's live rows (`BudgetController.batch_policy`)."""
         if self.hf:
             return hf_generate_batch(self.target, prompts, cfg, self.hf_lookup, name=self.name)
+        if self.outside is not None:
+            raise DartLabError(f"{self.name} decodes one request at a time")
         drafters = None
         if self.drafter is not None:
             while len(self._row_drafters) < len(prompts) - 1:
                 self._row_drafters.append(self.new_drafter())
             drafters = [self.drafter] + self._row_drafters[:len(prompts) - 1]
-        policy = self._batch_policy(prompts, cfg, drafters) if self.budget is not None else None
+        policy = None
+        if self.controller is not None:
+            policy = self.controller.batch_policy(prompts, not cfg.greedy, cfg.max_new_tokens, drafters)
         res = generate_batch(self.target, prompts, drafters, cfg, policy, name=self.name)
         if policy is not None:
             res.config["tree_budget_by_rows"] = {str(r): {k: ch[k] for k in ("theta", "expected_speedup_vs_ar",
                                                                             "fallback_to_ar")}
                                                  for r, ch in sorted(policy.chosen.items())}
         return res
-
-    def batch_curve(self, rows: int) -> dict[int, float]:
-        """Verify ms of one step over `rows` rows by nodes per row: the measured surface t(B, N)
-        (`budget.batch_cost_curve` at the batch sizes around `rows`), interpolated in B."""
-        sizes = BudgetConfig().batch_sizes
-        lo = max((b for b in sizes if b <= rows), default=sizes[0])
-        hi = min((b for b in sizes if b >= rows), default=sizes[-1])
-        for b in {lo, hi}:
-            if b not in self._batch_costs:
-                self._batch_costs[b] = batch_cost_curve(self.target, b)
-        return interpolate_batch({b: self._batch_costs[b] for b in {lo, hi}}, rows)
-
-    @torch.no_grad()
-    def head_batch_ms(self, rows: int, repeats: int = 5) -> dict[int, float] | None:
-        """{1: ms, rows: ms} of one DART head forward for a single row and for `rows` rows together
-        (`drafters.draft_logits_batch`; two new positions per row after 128 cached, the full masks), timed
-        here once per size; None for drafters without a batched head forward (EAGLE-3, pld, ...)."""
-        if self.drafter is None or not isinstance(self.drafter, DartDrafter) or self.new_drafter is None:
-            return None
-        for n in {1, rows} - set(self._head_ms):
-            ds = [self.new_drafter() for _ in range(n)]
-            g = torch.Generator().manual_seed(0)
-            H3, dev = 3 * self.target.hidden_size, self.target.device
-            for d in ds:
-                d.begin(self.target, torch.randint(3, 1000, (129,), generator=g).tolist(),
-                        torch.randn(128, H3, generator=g).to(dev, self.target.dtype))
-            times = []
-            for r in range(repeats + 1):  # round 0 feeds the 128-token prefix and warms up
-                sync(dev)
-                t0 = time.perf_counter()
-                draft_logits_batch(ds) if n > 1 else ds[0].draft_logits()
-                sync(dev)
-                if r:
-                    times.append((time.perf_counter() - t0) * 1e3)
-                for d in ds:
-                    d.observe([5, 6], torch.randn(2, H3, generator=g).to(dev, self.target.dtype))
-            self._head_ms[n] = statistics.median(times)
-        return self._head_ms
-
-    def _batch_policy(self, prompts, cfg: GenerationConfig, drafters):
-        """live rows -> (theta, verify curve): tau(theta) per row from this runner's calibration, the step
-        priced by the batched surface at that many rows (grown to the batch's mean context as the batch-1
-        curve grows) plus every row's drafting + search, each row's tokens counted:
-            expected speed(theta) = rows * tau(theta) / (t(rows, theta + 1) + rows * t_draft(theta)).
-        Re-chosen whenever rows finish; theta 0 = batched AR steps."""
-        sampled = not cfg.greedy
-        if sampled and self.budget_sampled is None:
-            self._choose(sampled=True)
-        tau = (self.budget_sampled if sampled else self.budget)["tau_by_theta"]
-        for rows in range(1, len(prompts) + 1):  # time the surface now, not inside the timed decode
-            self.batch_curve(rows)
-            self.head_batch_ms(rows)
-        context = statistics.fmean(len(p) for p in prompts) + cfg.max_new_tokens // 2
-        short, long = self.cost["verify_ms"], curve_at(self.cost, context)
-        grow = {n: long[n] / short[n] for n in short}
-
-        def policy(rows: int):
-            if rows not in policy.chosen:
-                curve = {n: ms * interpolate(grow, n) for n, ms in self.batch_curve(rows).items()}
-                head = self.head_batch_ms(rows)
-                if head is None:  # every row drafts on its own
-                    over = lambda th: rows * self.overhead_ms(th)  # noqa: E731
-                else:  # one head forward for the batch, the search (and the rest) per row
-                    over = lambda th: head[rows] + rows * max(self.overhead_ms(th) - head[1], 0.0)  # noqa: E731
-                chosen = choose_budget(tau, curve, over)
-                if chosen["theta"]:
-                    for d in drafters:
-                        d.set_cost_model(curve, self.overhead_ms(chosen["theta"]), tau)
-                policy.chosen[rows] = {**chosen, "curve": curve}
-            return policy.chosen[rows]["theta"], policy.chosen[rows]["curve"]
-
-        policy.chosen = {}
-        return policy
 
     def config(self) -> dict:
         out = self.drafter.config() if self.drafter is not None else {"name": self.name}
@@ -506,6 +259,8 @@ class Method:
     hf: bool = False
     hf_lookup: int | None = None
     samples: bool = True  # False: greedy only (HF prompt lookup does not sample)
+    outside: Callable | None = None  # target -> an engine of its own with `generate(ids, cfg)` (llamacpp)
+    batches: bool = True  # False: one request at a time only (the bench's batch sizes > 1 leave it out)
     budgeted: bool = False  # a tree builder with a node budget (`--tree-nodes auto` applies)
 
 
@@ -531,7 +286,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sps", "speculative sampling with a smaller draft LM (--sps-model)", _sps),
     Method("hf", "Hugging Face generate (external reference)", hf=True),
     Method("hf-pld", "Hugging Face generate with prompt lookup (greedy only)", hf=True, hf_lookup=10, samples=False),
+    Method("llamacpp", "llama.cpp on the embedded GGUF, plain greedy decoding (outside anchor; optional package)",
+           samples=False, outside=LlamaCpp, batches=False),
 )}
+
+
+def unavailable_reason(name: str, target) -> str | None:
+    """Why method `name` cannot run on `target` here (an optional package missing), or None."""
+    return llamacpp_unavailable(target) if get_method(name).outside is LlamaCpp else None
 
 
 def get_method(name: str) -> Method:
@@ -555,5 +317,7 @@ def make_runner(name: str, target, opts: MethodOptions = MethodOptions(), cache:
     m = get_method(name)
     auto = m.budgeted and tree_budget(opts) is None
     cache = {} if cache is None else cache
+    if m.outside is not None:
+        return Runner(name, target, outside=m.outside(target))
     return Runner(name, target, make_drafter(name, target, opts, cache), hf=m.hf, hf_lookup=m.hf_lookup,
                   auto_budget=auto, new_drafter=lambda: make_drafter(name, target, opts, cache), refresh=refresh)

@@ -90,7 +90,7 @@ def tree_search_with_paths(logp: np.ndarray, tokens: np.ndarray, context: list[i
     path from the root with the cumulative score of every node (non-increasing). A path node that is
     already a candidate keeps the higher of its two scores; the rest join the list; the final cut
     is the same. With no extra paths this IS `tree_search` (the released algorithm). Used by the
-    context-aware extension (drafters.ContextDrafter), not by `dart`."""
+    context-aware extension (dart_ctx.ContextDrafter), not by `dart`."""
     return _search(logp, tokens, context, ngram, cfg, eos_ids, nodes=False, extra_paths=extra_paths)
 
 

@@ -52,6 +52,9 @@ class Target:
     tokenizer: object = None
     name: str = "custom"
     dtype_report: dict = field(default_factory=dict)
+    # "dense": the model's own weights in its dtype; "int4": 4-bit weight-only matmuls over the same values
+    # (fast runner only, fast_llama.Int4Linear)
+    weights: str = "dense"
 
     def __post_init__(self) -> None:
         cfg = self.model.config
@@ -85,6 +88,11 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def precision(self) -> str:
+        """The arithmetic of the forward, as results name it: the dtype, or "int4" (see `weights`)."""
+        return "int4" if self.weights == "int4" else str(self.dtype)
 
     # -- prompts
     def encode_prompt(self, text: str, chat: bool = True) -> torch.Tensor:
@@ -127,6 +135,16 @@ class Target:
     def prefill(self, prompt_ids: torch.Tensor, want_aux: bool = False, all_logits: bool = True) -> TargetOutput:
         """Reset the cache and run the prompt (T,) causally. Returns logits (T, V) (the last row picks
         the first new token; only that row, (1, V), unless all_logits) and aux (T, 3H)."""
+        prompt_ids = self.check_prompt(prompt_ids)
+        self.reset()
+        T = prompt_ids.numel()
+        out = self._forward(prompt_ids, torch.arange(T), None, want_aux, rows=None if all_logits else slice(-1, None))
+        self.seq_len = T
+        self._prefilled = True
+        return out
+
+    def check_prompt(self, prompt_ids) -> torch.Tensor:
+        """prompt_ids as a (T,) long tensor, or a one-line DartLabError naming what is wrong with it."""
         prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         if prompt_ids.numel() == 0:
             raise DartLabError("prompt is empty")
@@ -134,12 +152,7 @@ class Target:
             raise DartLabError(f"prompt has {prompt_ids.numel()} tokens, the target's context is {self.max_context}")
         if int(prompt_ids.max()) >= self.vocab_size or int(prompt_ids.min()) < 0:
             raise DartLabError(f"prompt has token ids outside the target vocabulary (size {self.vocab_size})")
-        self.reset()
-        T = prompt_ids.numel()
-        out = self._forward(prompt_ids, torch.arange(T), None, want_aux, rows=None if all_logits else slice(-1, None))
-        self.seq_len = T
-        self._prefilled = True
-        return out
+        return prompt_ids
 
     def tree_mask(self, tree: Tree) -> torch.Tensor:
         """(1, 1, N, P+N) additive mask: 0 where attention is allowed, dtype-min elsewhere."""

@@ -506,24 +506,9 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
     train, val = _datasets(features, cfg, target)
     d2t_ids, init = _vocab_and_init(out, cfg, target, train)
 
-    target.model.requires_grad_(False)  # frozen: only the head trains
-    use_bf16 = cfg.autocast and (target.device.type == "cuda" or target.dtype == torch.bfloat16)
-    acc = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=target.device.type == "cpu")
-    device = acc.device
-    raw = build_head(target, cfg, d2t_ids)
-    if init is not None:
-        raw.load_state_dict(init.state_dict())
-    raw = raw.to(device)
-    emb = target.model.get_input_embeddings()
-    lm_head_w = target.model.get_output_embeddings().weight.detach()
-    d2t_dev = d2t_ids.to(device)
-    opt = torch.optim.AdamW([p for p in raw.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.999),
-                            weight_decay=cfg.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, cfg.max_steps)
-    loss_fn = dart_loss if cfg.kind == "dart" else eagle3_loss
-    # the objective is a module so that, under `accelerate launch`, the forward that builds the loss
-    # runs through the DDP wrapper (gradient sync); on one process it is a thin shell
-    objective, opt = acc.prepare(_Objective(raw, loss_fn, emb, lm_head_w, d2t_dev, cfg, device), opt)
+    acc, raw, objective, opt, sched = _setup(target, cfg, d2t_ids, init)
+    device, loss_fn = acc.device, _objective_loss(cfg)
+    emb, lm_head_w, d2t_dev = _loss_inputs(target, d2t_ids, device)
     ckpt = out / "ckpt.pt"
     step, elapsed, tokens_seen = _resume(ckpt, cfg, raw, opt, sched, log)
     if acc.is_main_process:
@@ -539,13 +524,9 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
             if _stop_after is not None and steps_here >= _stop_after:  # tests: simulate a kill
                 return None
             steps_here += 1
-            if cfg.time_budget_min:
-                over = torch.tensor(float((time.perf_counter() - t_start) / 60 >= cfg.time_budget_min), device=device)
-                if world > 1:  # every process stops at the same step, or the others hang in the gradient sync
-                    over = acc.reduce(over, reduction="sum")
-                if over.item() > 0:
-                    log(f"time budget reached at step {step}")
-                    break
+            if _out_of_time(cfg, t_start, acc):
+                log(f"time budget reached at step {step}")
+                break
             total, used, step_tokens = _step_sequences(objective, acc, train, cfg, step)
             if world > 1:  # every process's sequences count
                 step_tokens = int(acc.reduce(torch.tensor(step_tokens, device=device), reduction="sum").item())
@@ -576,19 +557,67 @@ def train_head(target, features, out_dir: str | Path, cfg: TrainConfig, progress
         bar.close()
     if val and not last_val:
         last_val = evaluate(raw, loss_fn, val, emb, lm_head_w, d2t_dev, cfg, device)
-    summary = {"config": asdict(cfg), "steps": step, "tokens_seen": tokens_seen,
-               "wall_time_s": round(time.perf_counter() - t_start, 1), "train_examples": len(train),
-               "features": "feature cache" if isinstance(features, (str, Path)) else "online (target in the loop)",
-               "val_examples": len(val), "validation": last_val, "target": target.name,
-               "device": str(device), "torch_threads": torch.get_num_threads(), "processes": world}
-    before = _summary_before(cfg.init_from)
-    if before:  # a continued head: what it had seen before this run, and the totals
-        summary["before"] = before
-        summary["total"] = {k: before[k] + summary[k] for k in ("tokens_seen", "steps", "wall_time_s")}
+    summary = _summary(cfg, step, tokens_seen, time.perf_counter() - t_start, len(train), len(val), last_val,
+                       "feature cache" if isinstance(features, (str, Path)) else "online (target in the loop)",
+                       target.name, device, world)
     if acc.is_main_process:
         _save_state(ckpt, cfg, raw, opt, sched, step, time.perf_counter() - t_start, tokens_seen)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         _export(raw, out / "head", summary)
+    return summary
+
+
+def _objective_loss(cfg: TrainConfig):
+    return dart_loss if cfg.kind == "dart" else eagle3_loss
+
+
+def _loss_inputs(target, d2t_ids: torch.Tensor, device) -> tuple:
+    """What the loss reads of the frozen target: its input embedding, LM-head weight, the draft vocabulary."""
+    return (target.model.get_input_embeddings(), target.model.get_output_embeddings().weight.detach(),
+            d2t_ids.to(device))
+
+
+def _setup(target, cfg: TrainConfig, d2t_ids: torch.Tensor, init) -> tuple:
+    """(accelerator, head, objective, optimizer, schedule) for a run; the target frozen, only the head trains."""
+    target.model.requires_grad_(False)
+    use_bf16 = cfg.autocast and (target.device.type == "cuda" or target.dtype == torch.bfloat16)
+    acc = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=target.device.type == "cpu")
+    raw = build_head(target, cfg, d2t_ids)
+    if init is not None:
+        raw.load_state_dict(init.state_dict())
+    raw = raw.to(acc.device)
+    opt = torch.optim.AdamW([p for p in raw.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.999),
+                            weight_decay=cfg.weight_decay)
+    sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, cfg.max_steps)
+    # the objective is a module so that, under `accelerate launch`, the forward that builds the loss
+    # runs through the DDP wrapper (gradient sync); on one process it is a thin shell
+    objective, opt = acc.prepare(_Objective(raw, _objective_loss(cfg), *_loss_inputs(target, d2t_ids, acc.device), cfg,
+                                            acc.device), opt)
+    return acc, raw, objective, opt, sched
+
+
+def _out_of_time(cfg: TrainConfig, t_start: float, acc) -> bool:
+    """Whether `cfg.time_budget_min` is spent; with several processes, decided for all at once (each
+    stops at the same step, or the others hang in the gradient sync)."""
+    if not cfg.time_budget_min:
+        return False
+    over = torch.tensor(float((time.perf_counter() - t_start) / 60 >= cfg.time_budget_min), device=acc.device)
+    if acc.num_processes > 1:
+        over = acc.reduce(over, reduction="sum")
+    return over.item() > 0
+
+
+def _summary(cfg: TrainConfig, step: int, tokens_seen: int, wall_s: float, n_train: int, n_val: int, last_val: dict,
+             features: str, target_name: str, device, world: int) -> dict:
+    """The run's summary.json; a continued head (init_from) adds what it had seen before and the totals."""
+    summary = {"config": asdict(cfg), "steps": step, "tokens_seen": tokens_seen, "wall_time_s": round(wall_s, 1),
+               "train_examples": n_train, "features": features, "val_examples": n_val, "validation": last_val,
+               "target": target_name, "device": str(device), "torch_threads": torch.get_num_threads(),
+               "processes": world}
+    before = _summary_before(cfg.init_from)
+    if before:
+        summary["before"] = before
+        summary["total"] = {k: before[k] + summary[k] for k in ("tokens_seen", "steps", "wall_time_s")}
     return summary
 
 

@@ -7,7 +7,7 @@
 #   (NUM_PROMPTS=3 for a short run; METHODS=dart,eagle3 leaves out AR's lossless check, ~1/4 shorter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-reproduce/results/heads}
+OUT=${1:-reproduce/results/$(date +%F)_local_heads-tau60}
 shift || true
 B=.venv/bin
 mkdir -p "$OUT"
@@ -29,4 +29,4 @@ for ds, m in rows.items():
 mean = lambda k: sum(m[k]["tau"] for m in rows.values()) / len(rows)
 print(f"| mean | {mean('dart'):.2f} | {mean('eagle3'):.2f} |")
 PY
-$B/python reproduce/update_cards.py --decoding-tau-only  # the model cards state these figures
+$B/python reproduce/update_cards.py --decoding-tau-only --results "$OUT"  # the model cards state these figures

@@ -2,7 +2,7 @@
 (dart_lab/heads/smollm2-135m/{dart,eagle3}/README.md): held-out alpha / acc / hit@10 / chain tau on
 the 64 validation conversations of the feature cache, and the regenerated-answers measurement from
 reproduce/results/embedded/regeneration.json (written by reproduce/regen_ablation.sh), and the decoding
-tau per dataset from reproduce/results/heads/ (written by reproduce/head_tau_bench.sh).
+tau per dataset from reproduce/results/2026-11-30_epyc-2c_heads-tau60/ (written by reproduce/head_tau_bench.sh).
 
     python reproduce/update_cards.py --features runs/features
     python reproduce/update_cards.py --decoding-tau-only      (after head_tau_bench.sh; no target needed)
@@ -60,7 +60,10 @@ def regen_section(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def tau_section(kind: str, results: Path = ROOT / "reproduce/results/heads") -> str:
+TAU_RESULTS = ROOT / "reproduce/results/2026-11-30_epyc-2c_heads-tau60"  # the shipped heads' measured run
+
+
+def tau_section(kind: str, results: Path = TAU_RESULTS) -> str:
     """Decoding tau of the shipped head with the paper's 60-node tree, per dataset (head_tau_bench.sh)."""
     runs = {f.stem.replace("_tau60", ""): json.loads(f.read_text()) for f in sorted(results.glob("*_tau60.json"))}
     rows = [(ds, r["methods"][kind]["tau"], r["config"]["num_prompts"]) for ds, r in runs.items() if kind in r["methods"]]
@@ -81,11 +84,12 @@ def main() -> int:
     ap.add_argument("--features", default="runs/features")
     ap.add_argument("--num", type=int, default=64)
     ap.add_argument("--decoding-tau-only", action="store_true", help="only refresh the decoding-tau section")
+    ap.add_argument("--results", default=str(TAU_RESULTS), help="the head_tau_bench.sh run the cards cite")
     args = ap.parse_args()
     if args.decoding_tau_only:
         for kind in ("dart", "eagle3"):
             card = ROOT / f"dart_lab/heads/smollm2-135m/{kind}/README.md"
-            card.write_text(card.read_text().split(MARK_TAU)[0] + tau_section(kind))
+            card.write_text(card.read_text().split(MARK_TAU)[0] + tau_section(kind, Path(args.results)))
         return 0
     import torch
 
@@ -108,7 +112,7 @@ def main() -> int:
                  f"({ev['anchors']} anchors in {args.num} held-out ShareGPT conversations, records 17000+):\n\n"
                  f"- acc (top-1 per level) = {_fmt(ev['acc'])}\n- hit@10 per level = {_fmt(ev['hit10'])}\n"
                  f"- alpha (conditional chain acceptance) = {_fmt(ev['alpha'])}\n"
-                 f"- simulated greedy chain tau = {ev['tau_chain']:.3f}\n\n{note}\n" + regen + tau_section(kind))
+                 f"- simulated greedy chain tau = {ev['tau_chain']:.3f}\n\n{note}\n" + regen + tau_section(kind, Path(args.results)))
         card.write_text(text)
         print(f"{kind}: chain tau {ev['tau_chain']}, acc {ev['acc']}")
     return 0

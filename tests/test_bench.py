@@ -9,7 +9,7 @@ import pytest
 from dart_lab import DartLabError
 from dart_lab.bench import BenchConfig, fastest_pass, ratio_interval, run_bench
 from dart_lab.data import load_prompts
-from dart_lab.methods import MethodOptions, Runner
+from dart_lab.methods import MethodOptions, Runner, make_runner
 
 OPTS = MethodOptions(random_heads=True, ngram_max_tokens=100_000, tree_nodes=16)
 
@@ -158,3 +158,16 @@ def test_bench_batch_sizes_keep_methods_and_add_by_batch(embedded, tmp_path):
     with pytest.raises(DartLabError, match="batch sizes"):
         BenchConfig(batch_sizes=(0,))
     assert BenchConfig().key() == BenchConfig(batch_sizes=(1,)).key() != BenchConfig(batch_sizes=(1, 2)).key()
+
+
+def test_bench_skips_an_outside_engine_that_is_not_installed(embedded, tmp_path, monkeypatch):
+    """The optional llamacpp method: without llama-cpp-python the bench runs the other methods and says
+    why it left it out (in the JSON's `skipped`), never fails."""
+    import sys
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
+    cfg = BenchConfig(methods=("ar", "llamacpp"), dataset="mt_bench", num_prompts=1, max_new_tokens=4, warmup=0,
+                      model="smollm2-135m", device="cpu", dtype="fp32", options=OPTS)
+    res = run_bench(cfg, tmp_path / "b.json", target=embedded, progress=False)
+    assert set(res["methods"]) == {"ar"} and "llama-cpp-python" in res["skipped"]["llamacpp"]
+    with pytest.raises(DartLabError, match="llama-cpp-python"):
+        make_runner("llamacpp", embedded)

@@ -8,8 +8,9 @@ import torch
 
 from conftest import tiny_target
 from dart_lab import GenerationConfig, generate, greedy_accept
-from dart_lab.budget import BudgetConfig, acceptance_profile, choose_budget, interpolate, overhead_at
-from dart_lab.drafters import ContextDrafter, DartDrafter, Eagle3Drafter, Eagle3TreeConfig
+from dart_lab.budget import BudgetConfig, BudgetController, acceptance_profile, choose_budget, interpolate, overhead_at
+from dart_lab.dart_ctx import ContextDrafter
+from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig
 from dart_lab.methods import MethodOptions, Runner, make_runner, random_head
 from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
 
@@ -96,18 +97,18 @@ def test_runner_measures_overhead_at_both_calibration_budgets_and_while_decoding
     target = tiny_target("llama")
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
     cfg = BudgetConfig()
-    assert set(r._overhead_obs) == {cfg.max_nodes, cfg.small_nodes}
-    assert all(n > 0 and tot > 0 for tot, n in r._overhead_obs.values())
-    r._overhead_obs = {cfg.max_nodes: [50.0, 10], cfg.small_nodes: [10.0, 10]}  # 5 ms and 1 ms per step
-    r._observed = [(cfg.max_nodes, list(range(8)))] * 50  # a head that drafts: no AR fallback
-    r._choose()
-    assert r.overhead_ms(cfg.small_nodes) == 1.0 and r.overhead_ms(cfg.max_nodes) == 5.0
-    r.budget = {**r.budget, "theta": 7, "fallback_to_ar": False}  # a budget not measured yet
+    assert set(r.controller.observed.overhead) == {cfg.max_nodes, cfg.small_nodes}
+    assert all(n > 0 and tot > 0 for tot, n in r.controller.observed.overhead.values())
+    r.controller.observed.overhead = {cfg.max_nodes: [50.0, 10], cfg.small_nodes: [10.0, 10]}  # 5 ms and 1 ms per step
+    r.controller.observed.greedy = [(cfg.max_nodes, list(range(8)))] * 50  # a head that drafts: no AR fallback
+    r.controller.choose()
+    assert r.controller.overhead_ms(cfg.small_nodes) == 1.0 and r.controller.overhead_ms(cfg.max_nodes) == 5.0
+    r.controller.budget = {**r.budget, "theta": 7, "fallback_to_ar": False}  # a budget not measured yet
     res = r.generate(torch.tensor([5, 9, 14, 5, 9, 22, 31]), GenerationConfig(max_new_tokens=12, stop_on_eos=False))
     tree_steps = [s for s in res.steps if "path_ranks" in s]
-    tot, n = r._overhead_obs[7]  # its steps' drafting + search time now prices theta 7
+    tot, n = r.controller.observed.overhead[7]  # its steps' drafting + search time now prices theta 7
     assert n == len(tree_steps) > 0 and tot == pytest.approx(sum(s["draft_ms"] + s["search_ms"] for s in tree_steps))
-    assert r.overhead_ms(7) == pytest.approx(tot / n)
+    assert r.controller.overhead_ms(7) == pytest.approx(tot / n)
 
 
 def test_auto_budget_runner_stays_lossless_and_records_its_choice():
@@ -134,11 +135,11 @@ def test_cost_curve_follows_the_machine():
     prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
     ar = make_runner("ar", target).generate(prompt, cfg)
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
-    stale = {n: ms / 1000 for n, ms in r.cost["verify_ms"].items()}
-    r.cost = {**r.cost, "verify_ms": stale}
+    stale = {n: ms / 1000 for n, ms in r.controller.cost["verify_ms"].items()}
+    r.controller.cost = {**r.controller.cost, "verify_ms": stale}
     res = r.generate(prompt, cfg)
     assert res.tokens == ar.tokens
-    assert r.budget["cost_refreshes"] == 0 and r.cost["verify_ms"] == stale
+    assert r.budget["cost_refreshes"] == 0 and r.controller.cost["verify_ms"] == stale
     res = r.generate(prompt, cfg)
     assert res.tokens == ar.tokens
     assert r.budget["cost_refreshes"] == 1 and r.budget["verify_ms"] != stale
@@ -150,8 +151,8 @@ def test_tau_by_theta_stays_monotone_when_steps_come_from_two_budgets():
     tau(theta) is built term by term (P(rank k accepted), each over the steps that covered rank k),
     so it never dips at the boundary between the two populations."""
     r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
-    r._observed = [(64, [0])] * 10 + [(64, [0, 1, 5])] * 10 + [(2, [0, 1])] * 100
-    r._choose()
+    r.controller.observed.greedy = [(64, [0])] * 10 + [(64, [0, 1, 5])] * 10 + [(2, [0, 1])] * 100
+    r.controller.choose()
     tau = r.budget["tau_by_theta"]
     assert all(a <= b for a, b in zip(tau, tau[1:]))
     # rank 0: accepted in all 120 steps; rank 1 in 110 of 120; rank 5 in 10 of 20 (the wide steps)
@@ -162,24 +163,24 @@ def test_sampling_gets_its_own_theta_from_its_own_acceptance():
     """Sampled steps (T > 0) accept less: once enough of them (128) covered a rank, sampling's tau(theta)
     uses their rate, greedy decoding keeps its own, and each mode drafts with its own theta."""
     r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
-    r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
-    r._overhead_obs = {63: [1.0, 1]}
+    r.controller.cost = {**r.controller.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
+    r.controller.observed.overhead = {63: [1.0, 1]}
     # greedy: ranks 0-7 always accepted, ranks 16 and 17 in the steps that drafted them
-    r._observed = [(16, list(range(8)))] * 50 + [(24, list(range(8)) + [16, 17])] * 50
-    r._observed_sampled = [(16, [0])] * 130  # sampling: rank 0 always accepted, nothing deeper
-    r._choose()
-    r._choose(sampled=True)
+    r.controller.observed.greedy = [(16, list(range(8)))] * 50 + [(24, list(range(8)) + [16, 17])] * 50
+    r.controller.observed.sampled = [(16, [0])] * 130  # sampling: rank 0 always accepted, nothing deeper
+    r.controller.choose()
+    r.controller.choose(sampled=True)
     assert r.budget["tau_by_theta"][8] == 9.0 and r.budget_sampled["tau_by_theta"][8] == 2.0
     assert r.budget["theta"] >= 8 and r.budget_sampled["theta"] < r.budget["theta"]
     # ranks 16+ were never covered by sampled steps: their greedy rates (1 each for ranks 16, 17) scaled by
     # what the covered ranks 0-15 showed (1 accepted per step where greedy accepted 8)
     assert r.budget["tau_by_theta"][18] == 11.0
     assert r.budget_sampled["tau_by_theta"][18] == pytest.approx(2.0 + 2 / 8)
-    r._observed_sampled = [(16, [0])] * 100  # fewer than 128 steps: no covered rank, greedy rates as they are
-    r._choose(sampled=True)
+    r.controller.observed.sampled = [(16, [0])] * 100  # fewer than 128 steps: no covered rank, greedy rates as they are
+    r.controller.choose(sampled=True)
     assert r.budget_sampled["tau_by_theta"][18] == r.budget["tau_by_theta"][18]
-    r._observed_sampled = [(16, [0])] * 130
-    r._choose(sampled=True)
+    r.controller.observed.sampled = [(16, [0])] * 130
+    r.controller.choose(sampled=True)
     # each mode drafts with its own theta (checked on what each generation used: afterwards the runner
     # re-chooses from the steps it just timed, real drafting time against this made-up verify curve)
     greedy, sampled = r.budget["theta"], r.budget_sampled["theta"]
@@ -209,21 +210,21 @@ def test_dart_ctx_adapts_sampling_theta_only():
     learns sampling's theta from its sampled tree steps, like dart."""
     target = tiny_target("llama")
     r = Runner("dart-ctx", target, ContextDrafter(random_head(target, "dart"), None), auto_budget=True)
-    r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
-    r._overhead_obs, r._observed = {63: [1.0, 1]}, [(16, list(range(8)))] * 50  # a (random) head that drafts: no AR fallback
-    r._choose()
+    r.controller.cost = {**r.controller.cost, "verify_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 14.0, 64: 40.0}}
+    r.controller.observed.overhead, r.controller.observed.greedy = {63: [1.0, 1]}, [(16, list(range(8)))] * 50  # a (random) head that drafts: no AR fallback
+    r.controller.choose()
     prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 5, 9])
-    greedy_seen = len(r._observed)
+    greedy_seen = len(r.controller.observed.greedy)
     r.generate(prompt, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
-    assert len(r._observed) == greedy_seen
+    assert len(r.controller.observed.greedy) == greedy_seen
     res = r.generate(prompt, GenerationConfig(max_new_tokens=16, temperature=1.0, stop_on_eos=False))
     tree_steps = [s for s in res.steps if "path_ranks" in s]
-    assert tree_steps and len(r._observed_sampled) == len(tree_steps)
+    assert tree_steps and len(r.controller.observed.sampled) == len(tree_steps)
 
 
 def test_ar_fallback_runs_what_the_drafter_does_without_a_tree():
     """When no theta beats AR, dart runs plain AR steps and dart-ctx its copies where they pay
-    (drafters.CopyOrAR): no head forward, lossless."""
+    (dart_ctx.CopyOrAR): no head forward, lossless."""
     target = tiny_target("llama")
     cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
     prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 5, 9, 14, 5, 9])
@@ -231,8 +232,8 @@ def test_ar_fallback_runs_what_the_drafter_does_without_a_tree():
     for r, copies in ((Runner("dart-ctx", target, ContextDrafter(random_head(target, "dart"), None), auto_budget=True), True),
                       (Runner("dart", target, DartDrafter(random_head(target, "dart"), None, TreeSearchConfig(w_ngram=0.0)),
                               auto_budget=True), False)):
-        r.cost = {**r.cost, "verify_ms": {1: 10.0, 64: 10.0}}  # flat: any copy beats a one-token step
-        r.budget = {**r.budget, "theta": 0, "fallback_to_ar": True}
+        r.controller.cost = {**r.controller.cost, "verify_ms": {1: 10.0, 64: 10.0}}  # flat: any copy beats a one-token step
+        r.controller.budget = {**r.budget, "theta": 0, "fallback_to_ar": True}
         res = r.generate(prompt, cfg)
         assert res.tokens == ar.tokens
         assert not any("path_ranks" in s for s in res.steps)  # no tree step: the head never ran
@@ -277,11 +278,11 @@ def test_trees_are_priced_at_the_request_context():
     assert curve_at(cost, 100) == cost["verify_ms"]
     assert curve_at(cost, 378) == {1: 10.0, 8: 22.0, 32: 56.0}
     r = make_runner("dart-no-ngram", tiny_target("llama"), MethodOptions(random_heads=True))
-    r.cost = {**r.cost, **cost}
-    r._overhead_obs = {63: [1.0, 1]}
-    r._observed = [(64, list(range(k))) for k in range(1, 31)]  # rank j accepted in (30 - j) of 30 steps
-    r._choose()
-    short, long = r.budget["theta"], r._for_context(r.budget, curve_at(cost, 378))["theta"]
+    r.controller.cost = {**r.controller.cost, **cost}
+    r.controller.observed.overhead = {63: [1.0, 1]}
+    r.controller.observed.greedy = [(64, list(range(k))) for k in range(1, 31)]  # rank j accepted in (30 - j) of 30 steps
+    r.controller.choose()
+    short, long = r.budget["theta"], r.controller.for_context(r.budget, curve_at(cost, 378))["theta"]
     assert 1 <= long < short
     prompt = torch.randint(3, 90, (370,), generator=torch.Generator().manual_seed(0))
     res = r.generate(prompt, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
@@ -294,20 +295,20 @@ def test_ar_fallback_probes_a_tree_every_few_generations():
     (lossless like any step); the others stay plain AR steps."""
     target = tiny_target("llama")
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
-    r.cost = {**r.cost, "verify_ms": {1: 10.0, 2: 100.0, 64: 1000.0}}  # no tree can beat a one-token step
-    r._overhead_obs = {63: [1.0, 1]}
-    r._observed_sampled = [(16, [])] * 130  # sampled drafts never accepted
-    r._choose(sampled=True)
+    r.controller.cost = {**r.controller.cost, "verify_ms": {1: 10.0, 2: 100.0, 64: 1000.0}}  # no tree can beat a one-token step
+    r.controller.observed.overhead = {63: [1.0, 1]}
+    r.controller.observed.sampled = [(16, [])] * 130  # sampled drafts never accepted
+    r.controller.choose(sampled=True)
     assert r.budget_sampled["fallback_to_ar"]
     prompt, every = torch.tensor([5, 9, 14, 5, 9, 22, 31]), BudgetConfig().fallback_probe_every
     cfg = GenerationConfig(max_new_tokens=12, temperature=1.0, stop_on_eos=False, seed=0)
     trees = []
     for _ in range(2 * every):
-        seen = len(r._observed_sampled)
+        seen = len(r.controller.observed.sampled)
         res = r.generate(prompt, cfg)
         tree_steps = [s for s in res.steps if "path_ranks" in s]
         trees.append(bool(tree_steps))
-        assert len(r._observed_sampled) == seen + len(tree_steps)
+        assert len(r.controller.observed.sampled) == seen + len(tree_steps)
         assert res.config["tree_budget"].get("probe", False) == bool(tree_steps)
     assert trees == ([False] * (every - 1) + [True]) * 2
 
@@ -320,14 +321,14 @@ def test_batch_theta_is_chosen_per_live_rows_from_the_batched_surface(monkeypatc
 
     target = tiny_target("llama", runner="fast")
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
-    r._observed = [(63, [0])] * 20  # pretend the head's first guess is always right: tau(theta >= 1) = 2
-    r._choose()
+    r.controller.observed.greedy = [(63, [0])] * 20  # pretend the head's first guess is always right: tau(theta >= 1) = 2
+    r.controller.choose()
     # t(B, N) = B * (1 + (B - 1) * (N - 1)) ms (+ a little per node): flat at B = 1; at B = 4 a node per row
     # costs three one-token steps, so no tree pays
     surface = {B: {n: B * (1.0 + (B - 1) * (n - 1)) + 0.01 * n for n in (1, 2, 4, 8, 16)} for B in (1, 2, 4, 8)}
-    monkeypatch.setattr(Runner, "batch_curve", lambda self, rows: interpolate_batch(surface, rows))
-    monkeypatch.setattr(Runner, "head_batch_ms", lambda self, rows: {1: 0.0, rows: 0.0})
-    monkeypatch.setattr(Runner, "overhead_ms", lambda self, th: 0.0)
+    monkeypatch.setattr(BudgetController, "batch_curve", lambda self, rows: interpolate_batch(surface, rows))
+    monkeypatch.setattr(BudgetController, "head_batch_ms", lambda self, rows: {1: 0.0, rows: 0.0})
+    monkeypatch.setattr(BudgetController, "overhead_ms", lambda self, th: 0.0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, target.vocab_size, (n,), generator=g) for n in (4, 9, 6, 12)]
     cfg = GenerationConfig(max_new_tokens=12, stop_on_eos=False)

@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 from conftest import tiny_model, tiny_target
 from dart_lab import DartLabError, GenerationConfig, generate
 from dart_lab.draft_head import DartHead, Eagle3Head, HeadConfig
-from dart_lab.drafters import (ContextConfig, ContextDrafter, CopyOrAR, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter,
-                              SPSDrafter, copy_chain, copy_match)
+from dart_lab.dart_ctx import ContextConfig, ContextDrafter, CopyOrAR
+from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter, copy_chain, copy_match
 from dart_lab.methods import MethodOptions, make_drafter, random_head
 from dart_lab.ngram import NGram
 from dart_lab.search import TreeSearchConfig
@@ -265,7 +265,7 @@ def test_eagle3_skips_the_levels_its_budget_cannot_keep():
             d = Eagle3Drafter(head, Eagle3TreeConfig())
             d.set_budget(nodes)
             if not cut:
-                d._forwards = lambda n, d=d: d.tree_cfg.depth
+                d.head_forwards = lambda n, d=d: d.tree_cfg.depth
             d.begin(target, ids, aux)
             trees.append(d.propose(ids))
         assert len(trees[0]) == nodes + 1
@@ -370,7 +370,7 @@ def test_branch_copies_follow_the_heads_first_tokens_and_learn_only_when_taken()
     d.begin(target, ids, out.aux)
     toks = np.array([[13, 99, 15, 11, 40]])  # 13: the copy's own first token; 99 never occurs
     logp = np.log(np.array([[0.35, 0.25, 0.3, 0.25, 0.2]], dtype=np.float32))
-    paths, extra = d._branch_paths(ids, None, logp, toks, skip=13)
+    paths, extra = d.branch_paths(ids, None, logp, toks, skip=13)
     # prior p = 0.5: head p 0.3 (0.25) keeps one copy node (0.15 >= 0.1 > 0.075); two branches at most
     assert [p for p, _ in paths] == [[15, 16], [11, 12]] and extra == 2
     (_, s15), _ = paths
@@ -381,7 +381,7 @@ def test_branch_copies_follow_the_heads_first_tokens_and_learn_only_when_taken()
     d1 = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16),
                         ContextConfig(w_context=0.0, copy_branches=1))
     d1.begin(target, ids, out.aux)
-    assert [p for p, _ in d1._branch_paths(ids, None, logp, toks, skip=13)[0]] == [[15, 16]]
+    assert [p for p, _ in d1.branch_paths(ids, None, logp, toks, skip=13)[0]] == [[15, 16]]
 
 
 def test_copy_match_reliability_is_learned_across_requests():
@@ -427,16 +427,16 @@ def test_copy_only_is_chosen_by_expected_speed():
     d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=8), ContextConfig(w_context=0.0))
     ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
     d.begin(target, ids, target.prefill(torch.tensor(ids[:-1]), want_aux=True).aux)
-    assert not d._copy_only_pays(3, 0.9)  # no cost model (fixed budget): always a tree step
+    assert not d.copy_only_pays(3, 0.9)  # no cost model (fixed budget): always a tree step
     curve = {1: 20.0, 4: 21.0, 16: 26.0, 32: 40.0}
     tau = [1.0 + 0.1 * k for k in range(65)]  # tau(8) = 1.8: the head adds 0.8 tokens
     d.set_cost_model(curve, 5.0, tau)
     # a likely copy of 8: 1 + sum 0.9^i = 6.1 tokens in verify(9) = 23.1 ms beats 6.9 in verify(17) + 5 = 31.9 ms
-    assert d._copy_only_pays(8, 0.9)
+    assert d.copy_only_pays(8, 0.9)
     # an unlikely copy: 1.3 tokens in 20.7 ms loses to 2.1 in 23.9 + 5 ms
-    assert not d._copy_only_pays(2, 0.25)
+    assert not d.copy_only_pays(2, 0.25)
     d.set_cost_model(curve, 50.0, tau)  # the same unlikely copy when drafting is very slow
-    assert d._copy_only_pays(2, 0.25)
+    assert d.copy_only_pays(2, 0.25)
 
 
 def test_without_a_tree_dart_ctx_copies_only_where_a_copy_beats_a_one_token_step():

