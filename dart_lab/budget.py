@@ -117,18 +117,18 @@ def verify_samples(target, sizes, repeats: int = 7, prompt_len: int = 128) -> di
     """Wall ms of `repeats` verifies of an N-node tree (a chain; cost depends on N, not on shape)
     after `prompt_len` committed tokens, each size measured interleaved with the others, after one
     untimed warm-up round."""
-    return _time_chains(target, [prompt_len], sizes, repeats, target.prefill,
+    return _time_chains(target, [prompt_len], sizes, repeats, lambda prompts: target.prefill(prompts[0]),
                         lambda trees: target.verify(trees[0]), lambda: target.commit([0]), target.truncate)
 
 
 def _time_chains(target, rows: list[int], sizes, repeats: int, prefill, verify, commit, truncate) -> dict[int, list]:
     """The timing loop of `verify_samples` and `batch_verify_ms`: `rows` prompts of random ids (lengths
-    given), then per round and size one N-node chain per row verified (timed; round 0 warms up), its root
+    given, passed to `prefill` as a list), then per round and size one N-node chain per row verified (timed; round 0 warms up), its root
     committed and the cache cut back."""
     g = torch.Generator().manual_seed(0)
     V = min(target.vocab_size, 1000)
     prompts = [torch.randint(3, V, (n,), generator=g) for n in rows]
-    prefill(prompts[0] if len(rows) == 1 else prompts)
+    prefill(prompts)
     times = {n: [] for n in sizes}
     for r in range(repeats + 1):  # round 0 warms up
         for n in sizes:

@@ -68,22 +68,24 @@ def speculation_prior(n: int) -> float:
     return 1.0 + 0.5 * math.log2(n)
 
 
-def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1, 2, 4, 8, 16, 32),
+def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1, 4, 16),
                  rounds: int = 3, int4: bool = True) -> tuple:
     """dtype="auto": the arithmetic that decodes fastest here, decided by timing the shapes decoding runs.
 
     On CUDA bf16 (fp16 if bf16 is unsupported) is standard. Elsewhere the target's own runner times a tree
-    verify at each of `sizes` (the trees a budget picks from, budget.measure_verify) in fp32, each half
-    type and (fast runner, CPU, `int4`) 4-bit weight-only matmuls, `rounds` times interleaved (the order
-    reversed every round; each keeps its fastest reading per size: one after the other, a host whose speed
-    drifts picked fp32 in one process and bf16 in the next). Each candidate's decoding speed is predicted
-    twice: plain decoding (1 / cost of one node) and speculation (the best theta under `speculation_prior`
-    against its own curve); the candidate with the best geometric mean of both speedups over fp32 is taken
-    if it is >= 1.03x fp32 AND the runner's next-token argmax on a probe agrees with fp32 on >= 90% of
-    positions. (A rule on the sum of a 1- and a 32-node verify chose fp32 on a CPU where bf16 made every
-    small tree ~1.5x cheaper, and decoding ran trees of at most 5 nodes.) The model comes back with its
-    exact fp32 weights when fp32 or int4 wins. Greedy outputs in another arithmetic may differ from fp32
-    ones at near-ties; the lossless tests run in fp32. Returns (choice, report)."""
+    verify at each of `sizes` (one token, and trees of the sizes a CPU budget picks; budget.measure_verify)
+    in fp32, each half type and (fast runner, CPU, `int4`) 4-bit weight-only matmuls, `rounds` times
+    interleaved (the order reversed every round; each keeps its fastest reading per size: one after the
+    other, a host whose speed drifts picked fp32 in one process and bf16 in the next); after the first
+    round only fp32 and the candidates within 2x of the best score are timed again. Each candidate's
+    decoding speed is predicted twice: plain decoding (1 / cost of one node) and speculation (the best tree
+    under `speculation_prior` against its own curve); the candidate with the best geometric mean of both
+    speedups over fp32 is taken if it is >= 1.03x fp32 AND its next-token argmax through a decoding step
+    agrees with fp32's on >= 90% of a probe's positions. (A rule on the sum of a 1- and a 32-node verify
+    chose fp32 on a CPU where bf16 made every small tree ~1.5x cheaper, and decoding ran trees of at most
+    5 nodes.) The model comes back with its exact fp32 weights when fp32 or int4 wins. Greedy outputs in
+    another arithmetic may differ from fp32 ones at near-ties; the lossless tests run in fp32.
+    Returns (choice, report)."""
     device = target.device
     report: dict = {"device": device.type, "method": f"verify ms at sizes {list(sizes)}, fastest of {rounds} "
                     "interleaved rounds; predicted speed: AR and speculation_prior"}
@@ -108,6 +110,17 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
     ref = argmax() if probe_ids is not None else None
     agree: dict = {}
     best: dict = {}
+
+    def predicted(dt) -> tuple[float, float]:
+        """(AR, speculation) tokens per second from dt's curve."""
+        curve = best[dt]
+        return 1e3 / curve[sizes[0]], max(1e3 * speculation_prior(n) / curve[n] for n in sizes)
+
+    def score(dt) -> float:
+        """The geometric mean of dt's predicted AR and speculation speedups over fp32."""
+        (ar, spec), (ar0, spec0) = predicted(dt), predicted(torch.float32)
+        return math.sqrt(ar / ar0 * spec / spec0)
+
     timed = order
     for r in range(rounds):
         for dt in (order if r % 2 == 0 else order[::-1]):
@@ -115,21 +128,15 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
                 continue
             try:
                 use_dtype(target, dt, exact)
-                ms = measure_verify(target, sizes, repeats=3, prompt_len=64)
+                ms = measure_verify(target, sizes, repeats=2, prompt_len=64)
             except RuntimeError:  # an arithmetic this CPU cannot run
                 continue
             best[dt] = {n: min(v, best.get(dt, {}).get(n, v)) for n, v in ms.items()}
             if dt not in agree:
                 agree[dt] = 1.0 if ref is None or dt == torch.float32 else (argmax() == ref).float().mean().item()
-        # after the first round, one several times slower than fp32 (fp16 on most CPUs) is not timed again
-        timed = [dt for dt in best if best[dt][sizes[0]] < 3 * best[torch.float32][sizes[0]]]
+        top = max(score(dt) for dt in best)  # only the contenders again (fp16: several times slower on most CPUs)
+        timed = [dt for dt in best if dt == torch.float32 or score(dt) >= 0.5 * top]
 
-    def predicted(dt) -> tuple[float, float]:
-        """(AR, speculation) tokens per second from dt's curve."""
-        curve = best[dt]
-        return 1e3 / curve[sizes[0]], max(1e3 * speculation_prior(n) / curve[n] for n in sizes)
-
-    base = predicted(torch.float32)
     choice, choice_score = torch.float32, 1.0
     for dt in order:
         if dt not in best:
@@ -140,12 +147,11 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
         report[f"{name}_predicted_tokens_per_s"] = {"ar": round(ar, 2), "speculation": round(spec, 2)}
         if dt == torch.float32:
             continue
-        score = math.sqrt(ar / base[0] * spec / base[1])
-        report[f"{name}_speedup"] = round(score, 3)
+        report[f"{name}_speedup"] = round(score(dt), 3)
         if ref is not None:
             report[f"{name}_argmax_agreement"] = round(agree[dt], 3)
-        if score >= 1.03 and score > choice_score and agree[dt] >= 0.9:
-            choice, choice_score = dt, score
+        if score(dt) >= 1.03 and score(dt) > choice_score and agree[dt] >= 0.9:
+            choice, choice_score = dt, score(dt)
     use_dtype(target, choice, exact)
     report["choice"] = INT4 if choice == INT4 else str(choice)
     return choice, report
