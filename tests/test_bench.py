@@ -125,6 +125,7 @@ def test_jsonl_formats(tmp_path):
         load_prompts(f"jsonl:{p}")
 
 
+@pytest.mark.slow  # runs the CLI as commands
 def test_bad_bench_input(tmp_path):
     with pytest.raises(DartLabError, match="unknown dataset"):
         load_prompts("imagenet")

@@ -87,6 +87,7 @@ def test_packed_projections_equal_the_modules_and_follow_weight_edits(arch):
     torch.testing.assert_close(edited, run(False), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile: tens of seconds
 def test_compiled_steps_equal_eager_and_compile_once_per_shape():
     """torch.compile of the steps (FastTarget.compile, static shapes): tree logits equal the eager
     forward's (fp32), every method stays token-identical to eager AR, each (node bucket, key bucket)

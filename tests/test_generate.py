@@ -76,6 +76,7 @@ def chi2_pvalue(samples, law):
     return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
 
 
+@pytest.mark.slow  # a statistical test: many sampled decodes
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, top_k=5)])
 def test_sampling_is_lossless_on_two_tokens(sampling):
     target = tiny_target("llama", vocab=8, layers=4, hidden=32, seed=3)
