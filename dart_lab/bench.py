@@ -255,12 +255,8 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     out = _writable(Path(out))
     prompts = load_prompts(cfg.dataset, cfg.num_prompts)
     target = target or load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile)
-    shared: dict = {}
-    skipped = {m: why for m in cfg.methods if (why := unavailable_reason(m, target))}
-    for m, why in skipped.items():
-        print(f"bench: {m} skipped: {why}", file=sys.stderr)
-    methods = [m for m in cfg.methods if m not in skipped]
-    runners = {m: make_runner(m, target, cfg.options, shared) for m in methods}
+    skipped, runners = _runners(cfg, target)
+    methods = list(runners)
     greedy = cfg.temperature == 0.0
     partial = out.with_name(out.name + ".partial.jsonl")
     key = cfg.key()
@@ -358,6 +354,15 @@ def _bench_batches(cfg: BenchConfig, B: int, prompts, target, runners, order, ro
             ar = results["ar"] if ("ar" in results and greedy) else None
             rows = _append_rows(partial, key, rows, [dict(_batch_row(results[m], gid, m, ar), repeat=rep) for m in order])
     return rows
+
+
+def _runners(cfg: BenchConfig, target) -> tuple[dict, dict]:
+    """({method: why it cannot run here}, {method: Runner} for the others, heavy objects shared)."""
+    skipped = {m: why for m in cfg.methods if (why := unavailable_reason(m, target))}
+    for m, why in skipped.items():
+        print(f"bench: {m} skipped: {why}", file=sys.stderr)
+    shared: dict = {}
+    return skipped, {m: make_runner(m, target, cfg.options, shared) for m in cfg.methods if m not in skipped}
 
 
 def _writable(out: Path) -> Path:

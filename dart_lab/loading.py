@@ -81,9 +81,8 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
     decoding speed is predicted twice: plain decoding (1 / cost of one node) and speculation (the best tree
     under `speculation_prior` against its own curve); the candidate with the best geometric mean of both
     speedups over fp32 is taken if it is >= 1.03x fp32 AND its next-token argmax through a decoding step
-    agrees with fp32's on >= 90% of a probe's positions. (A rule on the sum of a 1- and a 32-node verify
-    chose fp32 on a CPU where bf16 made every small tree ~1.5x cheaper, and decoding ran trees of at most
-    5 nodes.) The model comes back with its exact fp32 weights when fp32 or int4 wins. Greedy outputs in
+    agrees with fp32's on >= 90% of a probe's positions (a rule on the sum of a 1- and a 32-node verify chose
+    fp32 where bf16 made every small tree ~1.5x cheaper, docs/speed.md). The model comes back with its exact fp32 weights when fp32 or int4 wins. Greedy outputs in
     another arithmetic may differ from fp32 ones at near-ties; the lossless tests run in fp32.
     Returns (choice, report)."""
     device = target.device
@@ -96,18 +95,11 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
     target.model.to(torch.float32)
     exact = {k: v.detach().clone() for k, v in target.model.state_dict().items()}
 
-    def argmax():
-        """Next-token argmax at every probe position, through a decoding step (a chain verified after the
-        first token), which is where the candidates' arithmetic differs (int4 prefills densely)."""
-        with torch.no_grad():
-            target.prefill(probe_ids[:1])
-            return target.verify(Tree(probe_ids[1:], torch.arange(-1, len(probe_ids) - 2))).logits.argmax(-1)
-
     order = [torch.float32, torch.bfloat16, torch.float16]
     if int4 and isinstance(target, FastTarget) and can_int4(device):
         order.append(INT4)
     use_dtype(target, torch.float32, exact)
-    ref = argmax() if probe_ids is not None else None
+    ref = _decoding_argmax(target, probe_ids) if probe_ids is not None else None
     agree: dict = {}
     best: dict = {}
 
@@ -133,7 +125,8 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
                 continue
             best[dt] = {n: min(v, best.get(dt, {}).get(n, v)) for n, v in ms.items()}
             if dt not in agree:
-                agree[dt] = 1.0 if ref is None or dt == torch.float32 else (argmax() == ref).float().mean().item()
+                agree[dt] = 1.0 if ref is None or dt == torch.float32 else \
+                    (_decoding_argmax(target, probe_ids) == ref).float().mean().item()
         top = max(score(dt) for dt in best)  # only the contenders again (fp16: several times slower on most CPUs)
         timed = [dt for dt in best if dt == torch.float32 or score(dt) >= 0.5 * top]
 
@@ -155,6 +148,14 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
     use_dtype(target, choice, exact)
     report["choice"] = INT4 if choice == INT4 else str(choice)
     return choice, report
+
+
+@torch.no_grad()
+def _decoding_argmax(target: Target, probe_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token argmax at every probe position through a decoding step (a chain verified after the
+    first token): where the candidates' arithmetic differs (int4 prefills densely)."""
+    target.prefill(probe_ids[:1])
+    return target.verify(Tree(probe_ids[1:], torch.arange(-1, len(probe_ids) - 2))).logits.argmax(-1)
 
 
 def _sha256(path: Path) -> str:
