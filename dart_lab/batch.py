@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .acceptance import accept
+from .budget import copy_cap
 from .config import GenerationConfig
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator
@@ -269,7 +270,6 @@ class _Row:
         self.margins: list[float] = []
         self.steps: list[dict] = []
         self.stop = "max_new_tokens"
-        self.fallback: Drafter | None = None  # what proposes while the budget says no tree pays (theta 0)
 
 
 def _finished(row: _Row, emitted: list[int], lens: int, target: Target, cfg: GenerationConfig) -> bool:
@@ -285,7 +285,29 @@ def _finished(row: _Row, emitted: list[int], lens: int, target: Target, cfg: Gen
     return False
 
 
-_AR = Drafter()  # proposes the root alone
+class _Chain(Drafter):
+    """A theta-0 step's proposal for one row, decided for the whole batch (`_copy_step`): the row's copy
+    chain cut to the step's cap, or the root alone."""
+
+    def __init__(self, chain: list[int], draft_ms: float):
+        super().__init__()
+        self.chain, self.draft_ms = chain, draft_ms
+
+    def propose(self, ids):
+        self.last_timing = {"draft_ms": self.draft_ms, "search_ms": 0.0, **({"copy_only": True} if self.chain else {})}
+        return Tree.from_paths(ids[-1], [self.chain]) if self.chain else Tree.single(ids[-1])
+
+
+def _copy_step(rows: list, curve: dict[int, float]) -> list[Drafter]:
+    """Theta 0 (no tree pays at this many rows): each row offers the chain its drafter would verify
+    without a tree (`Drafter.copy_offer`: dart-ctx's copy, else none) and one cap is chosen for the step
+    (`budget.copy_cap` on the batch's curve): every row's tree is padded to the step's widest, so a copy
+    runs only where the batch as a whole gains tokens per ms. Cap 0 = a batched AR step."""
+    t0 = time.perf_counter()
+    offers = [row.drafter.copy_offer(row.ids) for row in rows]
+    cap = copy_cap(offers, curve)
+    ms = (time.perf_counter() - t0) * 1e3 / len(rows)
+    return [_Chain(list(chain[:cap]), ms) for chain, _ in offers]
 
 
 def _batched_head_forward(proposers: list[Drafter], ids: list[list[int]]) -> tuple[dict[int, torch.Tensor], float]:
@@ -313,9 +335,9 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
     """Decode `prompts` (each (T_b,) token ids) together; drafters[b] drafts for row b (None: AR for all).
 
     policy (optional): live rows -> (theta, verify curve) from the automatic budget at that batch size
-    (`methods.Runner.generate_batch`); theta 0 = no tree pays: batched AR steps (a last row alone: what
-    its drafter can do without a tree, `Drafter.without_tree`) while every drafter keeps observing, so its
-    state (the head's cache) stays whole. Steps: 1. draft, 2. verify (one forward), 3. accept, 4. compact."""
+    (`methods.Runner.generate_batch`); theta 0 = no tree pays: batched AR steps, or copies where they pay
+    for the batch (`_copy_step`), while every drafter keeps observing, so its state (the head's cache)
+    stays whole. Steps: 1. draft, 2. verify (one forward), 3. accept, 4. compact."""
     B = len(prompts)
     drafters = drafters or [Drafter() for _ in range(B)]
     if len(drafters) != B:
@@ -348,14 +370,10 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
                 for b in live:
                     if theta:
                         rows[b].drafter.set_budget(theta)
-                    elif rows[b].fallback is None:
-                        rows[b].fallback = rows[b].drafter.without_tree(curve) or Drafter()
         # 1. draft: each live row proposes its tree (rooted at its last token)
         ta = time.perf_counter()
-        # theta 0: one row alone does what its drafter can without a tree (dart-ctx: copy or AR); with several,
-        # plain AR steps -- one row's copy would pad every row's step to its length
-        proposers = [rows[b].drafter if policy is None or theta else rows[b].fallback if len(live) == 1 else _AR
-                     for b in live]
+        proposers = ([rows[b].drafter for b in live] if policy is None or theta
+                     else _copy_step([rows[b] for b in live], curve))
         trees = _draft([rows[b] for b in live], proposers, bt.lens, target.max_context)
         sync(dev)
         tb = time.perf_counter()

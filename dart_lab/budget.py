@@ -257,6 +257,27 @@ def interpolate(curve: dict[int, float], n: int) -> float:
     return curve[xs[-1]] * n / xs[-1]  # beyond the widest measured tree: grow proportionally
 
 
+def expected_copy_tokens(p: float, L: int) -> float:
+    """Tokens a step verifying a copy chain of L tokens alone emits on average, each copy token kept
+    with probability p given its predecessors: 1 (the bonus) + p + p^2 + ... + p^L."""
+    return 1.0 + sum(float(p) ** i for i in range(1, L + 1))
+
+
+def copy_cap(offers: list[tuple[list[int], float]], verify_ms: dict[int, float]) -> int:
+    """A step without a tree (theta 0) that may still verify copies: how many tokens of each row's copy
+    chain to verify. Every row's chain is cut to one cap L (the rows of a batch share the step's width),
+    chosen for the most expected tokens per ms,
+        sum_b E(p_b, min(L_b, L)) / t(L + 1)      (L = 0: a plain AR step for every row),
+    offers: per row (chain, p = the chance each copy token is kept); verify_ms: the step's cost by nodes
+    per row (the batch's curve at this many rows; one row: the batch-1 curve)."""
+    best, best_rate = 0, len(offers) / interpolate(verify_ms, 1)
+    for L in range(1, max((len(c) for c, _ in offers), default=0) + 1):
+        rate = sum(expected_copy_tokens(p, min(len(c), L)) for c, p in offers) / interpolate(verify_ms, L + 1)
+        if rate > best_rate:
+            best, best_rate = L, rate
+    return best
+
+
 def acceptance_profile(steps: list[dict], max_nodes: int) -> list[float]:
     """tau(theta) for theta = 0..max_nodes from decode steps that recorded `path_ranks` (T=0): a step
     emits 1 + (accepted nodes of rank < theta) tokens with a budget of theta."""

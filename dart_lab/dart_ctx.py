@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .budget import interpolate
-from .drafters import DartDrafter, copy_match, expected_copy_tokens
+from .budget import copy_cap, expected_copy_tokens, interpolate
+from .drafters import DartDrafter, copy_match
 from .generate import Drafter
 from .ngram import LocalNGram
 from .search import TreeSearchConfig, topk_levels, tree_search_with_paths
@@ -127,6 +127,7 @@ class ContextDrafter(DartDrafter):
         self.gain_sum, self.gain_steps = 0.0, 0  # head tokens beyond the copy, over tree steps with a copy
         self.overhead_sum, self.overhead_steps = 0.0, 0  # drafting + search ms of this request's tree steps
         self.local = LocalNGram(ids) if self.ctx.w_context > 0 else None  # grown in place each tree step
+        self._offered = None  # (len(ids), chain, p) from `wants_head`, for the `propose` of the same step
         super().begin(target, ids, aux)
 
     def begin_copies(self, ids) -> None:
@@ -225,6 +226,10 @@ class ContextDrafter(DartDrafter):
         keep = int(np.sum(head_p * p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob)) if chain else 0
         return chain[:keep], n, p
 
+    def copy_offer(self, ids: list[int]) -> tuple[list[int], float]:
+        """Without a tree (a theta-0 batch step), the copy chain is what this drafter can verify."""
+        return self.offer_copy(ids) if self.ctx.copy else ([], 0.0)
+
     def offer_copy(self, ids: list[int]) -> tuple[list[int], np.float32]:
         """This step's copy chain and its p (`copy_candidate`), recorded so that `score_copies` scores it
         against what the target produces, whether or not the step verifies it."""
@@ -280,7 +285,7 @@ class ContextDrafter(DartDrafter):
 
     def propose(self, ids, logits: torch.Tensor | None = None):
         t0 = time.perf_counter()
-        offered, self._offered = getattr(self, "_offered", None), None
+        offered, self._offered = self._offered, None
         chain, p = offered[1:] if offered and offered[0] == len(ids) else self.offer_copy(ids)
         if logits is None and chain and self.copy_only_pays(len(chain), p):
             self._tree_step = False
@@ -315,17 +320,17 @@ class ContextDrafter(DartDrafter):
 
 class CopyOrAR(Drafter):
     """dart-ctx when the automatic budget finds no tree that beats AR: no head forward, no search; each
-    step verifies the copy chain alone when that is faster than a one-token step by the cost curve,
-        E_copy = 1 + sum_{i<=L} p^i tokens in verify(L + 1) ms  >  1 token in verify(1) ms,
-    else the root alone (an AR step). Before, such a request ran as plain AR and dropped the copies
-    that pay even where the head does not. The copy bookkeeping (p per match length, the history) is
-    the ContextDrafter's, and a copy not proposed is scored too (one trial: the token the AR step
-    produced), so p keeps following the text and copies come back when it starts repeating."""
+    step verifies the copy chain alone, cut to the length that gives the most expected tokens per ms by
+    the cost curve (`budget.copy_cap`: E_copy = 1 + sum_{i<=L} p^i tokens in verify(L + 1) ms against 1
+    token in verify(1) ms), else the root alone (an AR step). So the copies that pay still run where the
+    head does not. The copy bookkeeping (p per match length, the history) is the ContextDrafter's, and a
+    copy not proposed is scored too (one trial: the token the AR step produced), so p keeps following the
+    text and copies come back when it starts repeating. In a batch the rows' offers are priced together
+    (`ContextDrafter.copy_offer`, batch.generate_batch)."""
 
     def __init__(self, drafter: ContextDrafter, verify_ms: dict[int, float]):
         super().__init__()
         self.drafter, self.verify_ms = drafter, verify_ms
-        self.ar_speed = 1.0 / interpolate(verify_ms, 1)  # tokens per ms of a one-token step
         self.name = drafter.name
         self.copy_only_steps = 0
 
@@ -336,12 +341,11 @@ class CopyOrAR(Drafter):
     def propose(self, ids):
         t0 = time.perf_counter()
         chain, p = self.drafter.offer_copy(ids)
-        L = len(chain)
-        pays = L > 0 and expected_copy_tokens(p, L) / interpolate(self.verify_ms, L + 1) > self.ar_speed
-        self.copy_only_steps += pays
+        L = copy_cap([(chain, p)], self.verify_ms)
+        self.copy_only_steps += L > 0
         self.last_timing = {"draft_ms": (time.perf_counter() - t0) * 1e3, "search_ms": 0.0,
-                            **({"copy_only": True} if pays else {})}
-        return Tree.from_paths(ids[-1], [chain]) if pays else Tree.single(ids[-1])
+                            **({"copy_only": True} if L else {})}
+        return Tree.from_paths(ids[-1], [chain[:L]]) if L else Tree.single(ids[-1])
 
     def observe(self, ids, aux):
         self.drafter.score_copies(ids)

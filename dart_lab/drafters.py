@@ -158,12 +158,6 @@ def copy_chain(ids: list[int], max_ngram: int, length: int) -> list[int]:
     return copy_match(ids, max_ngram, length)[0]
 
 
-def expected_copy_tokens(p: float, L: int) -> float:
-    """Tokens a step verifying a copy chain of L tokens alone emits on average, each copy token kept
-    with probability p given its predecessors: 1 (the bonus) + p + p^2 + ... + p^L."""
-    return 1.0 + float(np.sum(p ** np.arange(1, L + 1)))
-
-
 class PLDDrafter(Drafter):
     """Prompt lookup decoding (Saxena 2023): find the most recent earlier occurrence of the last
     n tokens (n = max_ngram..1) and propose the `num_pred` tokens that followed it, as a chain."""

@@ -67,6 +67,11 @@ class Drafter:
         plain AR steps; a drafter that can draft without its head may return a drafter doing that."""
         return None
 
+    def copy_offer(self, ids: list[int]) -> tuple[list[int], float]:
+        """A step without a tree in a batch (theta 0, several rows; batch.generate_batch): a chain this
+        drafter would verify alone and the chance each of its tokens is kept; ([], 0.0) = none."""
+        return [], 0.0
+
     def config(self) -> dict:
         return {"name": self.name}
 

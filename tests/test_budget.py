@@ -370,3 +370,49 @@ def test_a_curve_measured_under_load_is_used_but_never_cached(tmp_path, monkeypa
     assert not calm["contended"] and len(list((tmp_path / "cost").glob("*.json"))) == 1
     served = budget.cost_curve(target, dataclasses.replace(cfg, cost_measurements=1))
     assert served["cached"] and served["age_s"] >= 0 and served["machine_load"]["contended"] is False
+
+
+def test_copy_cap_prices_the_rows_copies_against_the_steps_width():
+    """`copy_cap`: nodes that cost nothing -> verify every row's whole chain; nodes as dear as tokens ->
+    no copy (a chain of L emits < L + 1 tokens); in between, the cap gives the most expected tokens per
+    ms of every cap tried, and rows without a chain count one token each."""
+    from dart_lab.budget import copy_cap, expected_copy_tokens
+
+    offers = [([4, 5, 6, 7, 8], 0.8), ([], 0.0), ([9, 10], 0.5)]
+    flat = {n: 10.0 for n in (1, 2, 4, 8, 16)}
+    dear = {n: 10.0 * n for n in (1, 2, 4, 8, 16)}
+    assert copy_cap(offers, flat) == 5 and copy_cap(offers, dear) == 0
+    assert copy_cap([([], 0.0)] * 3, flat) == 0
+    mid = {1: 10.0, 2: 11.0, 4: 14.0, 8: 30.0, 16: 60.0}
+    rate = {L: sum(expected_copy_tokens(p, min(len(c), L)) for c, p in offers) / interpolate(mid, L + 1)
+            for L in range(6)}
+    cap = copy_cap(offers, mid)
+    assert 0 < cap < 5 and rate[cap] == max(rate.values())
+
+
+@pytest.mark.parametrize("nodes", ["free", "dear"])
+def test_a_batch_without_trees_verifies_copies_only_where_the_batch_gains(monkeypatch, nodes):
+    """dart-ctx at theta 0 in a batch (no tree pays): each step verifies the rows' copy chains cut to one
+    cap when nodes cost (almost) nothing, and plain batched AR steps when a node costs a token; lossless
+    either way."""
+    from dart_lab import GenerationConfig, generate
+    from dart_lab.budget import interpolate_batch
+
+    target = tiny_target("llama", runner="fast")
+    head = random_head(target, "dart")
+    r = Runner("dart-ctx", target, ContextDrafter(head, None), auto_budget=True,
+               new_drafter=lambda: ContextDrafter(head, None))
+    r.controller.observed.greedy = [(63, [])] * 20  # the head's drafts never accepted: no tree pays
+    r.controller.choose()
+    per_node = {"free": 0.001, "dear": 1.0}[nodes]
+    surface = {B: {n: B * (1.0 + per_node * (n - 1)) for n in (1, 2, 4, 8, 16)} for B in (1, 2, 4)}
+    monkeypatch.setattr(BudgetController, "batch_curve", lambda self, rows: interpolate_batch(surface, rows))
+    monkeypatch.setattr(BudgetController, "head_batch_ms", lambda self, rows: {1: 0.0, rows: 0.0})
+    pattern = [5, 9, 14, 22, 31, 7]
+    prompts = [torch.tensor(pattern * k + pattern[:j]) for k, j in ((3, 2), (2, 4), (4, 1))]
+    cfg = GenerationConfig(max_new_tokens=16, stop_on_eos=False)
+    res = r.generate_batch(prompts, cfg)
+    assert {s["theta"] for s in res.steps} == {0}
+    copies = sum(bool(s.get("copy_only")) for row in res.rows for s in row.steps)
+    assert (copies > 0) if nodes == "free" else copies == 0
+    assert [x.tokens for x in res.rows] == [generate(target, p, None, cfg).tokens for p in prompts]

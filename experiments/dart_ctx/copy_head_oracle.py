@@ -37,9 +37,9 @@ import torch
 
 from copy_headroom import greedy_answers, kept  # this script's folder
 
-from dart_lab.budget import cost_curve, curve_at, interpolate
+from dart_lab.budget import cost_curve, curve_at, expected_copy_tokens, interpolate
 from dart_lab.dart_ctx import ContextDrafter, MixedNGram
-from dart_lab.drafters import copy_chain, expected_copy_tokens
+from dart_lab.drafters import copy_chain
 from dart_lab.loading import load_target
 from dart_lab.methods import MethodOptions, make_drafter, make_runner
 from dart_lab.search import topk_levels, tree_search_with_paths
