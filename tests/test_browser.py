@@ -122,4 +122,28 @@ def test_notebook_03_runs_in_jupyterlab_and_its_slider_updates_the_figure(lab, t
         assert after != before and "beam 20," in before and "beam 20," not in after
         assert page.evaluate(_ERRORS_JS) == []
         widget.screenshot(path=str(shots / "jupyterlab_03_slider.png"))
+
+        # the executed notebook, exported as a code host shows it: every figure present as an image
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        time.sleep(3)
+        html, figures = _export_html(work / NOTEBOOK, tmp_path)
+        static = browser.new_page(java_script_enabled=False, viewport={"width": 1400, "height": 1000})
+        static.goto(html.as_uri())
+        drawn = static.evaluate("() => [...document.images].filter(i => i.complete && i.naturalWidth > 0).length")
+        assert figures > 0 and drawn >= figures, (drawn, figures)
         browser.close()
+
+
+def _export_html(notebook: Path, out: Path) -> tuple[Path, int]:
+    """nbconvert's HTML of a saved notebook, and how many figures and widget cells its outputs hold (each
+    should show as an image with JavaScript off)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(notebook, as_version=4)
+    outs = [[o for o in c.get("outputs", []) if "data" in o] for c in nb.cells if c.cell_type == "code"]
+    figures = sum("application/vnd.plotly.v1+json" in o["data"] for cell in outs for o in cell)
+    figures += sum(any("application/vnd.jupyter.widget-view+json" in o["data"] for o in cell) for cell in outs)
+    path = out / "export.html"
+    path.write_text(HTMLExporter().from_notebook_node(nb)[0])
+    return path, figures

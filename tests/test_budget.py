@@ -372,6 +372,25 @@ def test_a_curve_measured_under_load_is_used_but_never_cached(tmp_path, monkeypa
     assert served["cached"] and served["age_s"] >= 0 and served["machine_load"]["contended"] is False
 
 
+def test_a_batch_curve_is_reused_only_when_it_says_it_was_measured_on_a_quiet_machine(tmp_path, monkeypatch):
+    """A cached batch surface without its machine load (or measured contended) is measured again."""
+    import json
+
+    from dart_lab import budget
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "batch_verify_ms", lambda target, batch, sizes, *a: {n: 10.0 * batch + n for n in sizes})
+    target = tiny_target("llama")
+    cfg = BudgetConfig(sizes=(1, 2, 4), refresh_repeats=1, prompt_len=32)
+    first = budget.batch_cost_curve(target, 2, cfg)
+    (path,) = (tmp_path / "cost").glob("batch_*.json")
+    assert first == {1: 21.0, 2: 22.0, 4: 24.0} and json.loads(path.read_text())["machine_load"]["contended"] is False
+    for meta in ({}, {"machine_load": {"contended": True}}):  # an old file, a busy one: stale values not served
+        path.write_text(json.dumps({"verify_ms": {"1": 999.0, "2": 999.0, "4": 999.0}, **meta}))
+        assert budget.batch_cost_curve(target, 2, cfg) == first
+    path.write_text(json.dumps({"verify_ms": {"1": 5.0, "2": 6.0, "4": 7.0}, "machine_load": {"contended": False}}))
+    assert budget.batch_cost_curve(target, 2, cfg) == {1: 5.0, 2: 6.0, 4: 7.0}
+
+
 def test_copy_cap_prices_the_rows_copies_against_the_steps_width():
     """`copy_cap`: nodes that cost nothing -> verify every row's whole chain; nodes as dear as tokens ->
     no copy (a chain of L emits < L + 1 tokens); in between, the cap gives the most expected tokens per
