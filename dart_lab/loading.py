@@ -245,11 +245,9 @@ def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype:
         raise DartLabError(f"--compile needs the fast runner (Llama family); {name_or_path!r} runs through the HF forward")
     if dtype == "int4" and not (isinstance(target, FastTarget) and can_int4(dev)):
         raise DartLabError("dtype int4 needs the fast runner (Llama family) on a CPU")
-    if dtype == "int4" and compile:
-        raise DartLabError("--compile runs dense weights; use another dtype with it")
     if dtype == "auto":
         probe = tok("The quick brown fox jumps over the lazy dog. " * 4, return_tensors="pt").input_ids[0][:48]
-        choice, target.dtype_report = choose_dtype(target, probe, int4=not compile)
+        choice, target.dtype_report = choose_dtype(target, probe)
     else:
         choice = dtype if isinstance(dtype, torch.dtype) else INT4 if dtype == "int4" else _DTYPES[dtype]
     use_dtype(target, choice)

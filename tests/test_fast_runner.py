@@ -171,3 +171,27 @@ def test_int4_weights_are_the_same_values_through_another_kernel():
     spec = generate(packed, prompt, OracleDrafter(prompt.tolist() + ar, packed.vocab_size, depth=5), cfg)
     assert spec.tokens == ar and len(spec.steps) < len(ar) / 2  # drafts accepted, same tokens
     torch.testing.assert_close(packed.prefill(prompt).logits, dense.prefill(prompt).logits)  # prompts run dense
+
+
+@pytest.mark.slow  # torch.compile: tens of seconds
+def test_compiled_int4_steps_equal_eager_int4():
+    """4-bit weights compiled (`StepGraph` over the `Int4Linear` calls, the ops between them fused): the same
+    arithmetic as the eager int4 step up to float reordering, so the same greedy tokens."""
+    from dart_lab.fast_llama import can_int4
+    if not can_int4(torch.device("cpu")):
+        pytest.skip("this torch has no CPU int4 kernel")
+    model = tiny_model("llama")
+    _as_4bit_grids(model)
+    target = make_target(model, runner="fast")
+    target.weights = "int4"
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    tree = Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
+    cfg = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
+    target.prefill(prompt)
+    eager = target.verify(tree).logits
+    ar = generate(target, prompt, None, cfg).tokens
+    target.compile, target.node_buckets, target.key_bucket, target.compile_capacity = True, (1, 8), 64, 128
+    target.prefill(prompt)
+    torch.testing.assert_close(target.verify(tree).logits, eager, atol=1e-3, rtol=1e-3)
+    assert generate(target, prompt, None, cfg).tokens == ar
+    assert {nb for nb, _ in target.compiled_shapes} == {1, 8} and target.compile_seconds > 0
