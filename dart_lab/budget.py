@@ -206,7 +206,7 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True, r
         with LoadMeter() as meter:  # a line per context: the first measurement on a machine takes a while
             raw = {}
             for c, n in lens.items():
-                _say(f"timing verifies of {min(cfg.sizes)}-{max(cfg.sizes)} nodes after {n} tokens "
+                say(f"timing verifies of {min(cfg.sizes)}-{max(cfg.sizes)} nodes after {n} tokens "
                      f"(measurement {count + 1} of {cfg.cost_measurements}, cached)")
                 raw[c] = measure_verify(target, cfg.sizes, cfg.repeats, n)
         load, measured_at, fresh = meter.load, time.time(), True
@@ -230,7 +230,7 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True, r
             "age_s": round(time.time() - measured_at, 1) if measured_at else None}
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     """A progress line for measurements that take seconds to minutes (stderr: a bench's JSON stays clean)."""
     print(f"[dart_lab] {line}", file=sys.stderr, flush=True)
 
@@ -433,7 +433,7 @@ class BudgetController:
             with LoadMeter() as meter:
                 for budget in (cfg.max_nodes, cfg.small_nodes):  # ranks from the widest; the cost of a small tree too
                     self.drafter.set_budget(budget)
-                    _say(f"calibrating {self.drafter.name}: {len(CALIBRATION_PROMPTS)} prompts x "
+                    say(f"calibrating {self.drafter.name}: {len(CALIBRATION_PROMPTS)} prompts x "
                          f"{cfg.calibration_tokens} tokens at {budget} nodes (cached)")
                     for text in CALIBRATION_PROMPTS:
                         ids = t.encode_prompt(text) if t.tokenizer is not None else \

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .assets import EMBEDDED_FILES, cache_dir, embedded_file
 from .atomic import atomic_dir
-from .budget import measure_verify
+from .budget import say, measure_verify
 from .errors import DartLabError
 from .fast_llama import FastTarget, can_int4, unsupported_reason
 from .target import Target
@@ -118,6 +118,7 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
         for dt in (order if r % 2 == 0 else order[::-1]):
             if dt not in timed:
                 continue
+            say(f"choosing the dtype (once per load): timing {_name(dt)} at {list(sizes)} nodes, round {r + 1} of {rounds}")
             try:
                 use_dtype(target, dt, exact)
                 ms = measure_verify(target, sizes, repeats=2, prompt_len=64)

@@ -155,6 +155,9 @@ def setup_notebook(static_images: bool | None = None) -> None:
         return
     why = _start_static_images()
     if why is None:
+        import warnings
+        # plotly passes its image options on every call; with kaleido's one shared browser they are the defaults
+        warnings.filterwarnings("ignore", message="The kopts argument is ignored if using a server")
         pio.renderers.default = "plotly_mimetype+png"
     else:
         print(f"figures are interactive only (no static image for exported copies): {why}")

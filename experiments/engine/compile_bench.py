@@ -8,7 +8,7 @@ one process (run it on an idle machine):
 3. end to end: AR and DART (theta 4, what auto chose eagerly here) over MT-bench prompts, eager and
    compiled (after compiling) in alternation, and the tokens after which compiling has paid for itself.
 
-    .venv/bin/python experiments/engine/compile_bench.py [--prompts 5] [--out reproduce/results/2026-12-01_epyc-2c_compile/compile.json]
+    .venv/bin/python experiments/engine/compile_bench.py [--prompts 5] [--dtype int4] [--out compile.json]
 """
 from __future__ import annotations
 
@@ -56,9 +56,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", default="reproduce/results/2026-12-01_epyc-2c_compile/compile.json")
+    ap.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 | int4 (4-bit weights compile too)")
+    ap.add_argument("--out", default="compile.json")
     args = ap.parse_args()
-    t = load_target()  # auto dtype (bf16 here)
+    t = load_target(dtype=args.dtype)
     compiles = []
     t0 = time.perf_counter()
     trees = {1: Tree.single(7), 5: Tree(torch.tensor([5, 10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1, 1]))}
@@ -91,7 +92,7 @@ def main() -> None:
         e2e[m] = {"eager_tokens_per_s": round(tps_e, 2), "compiled_tokens_per_s": round(tps_c, 2),
                   "compiled_over_eager": round(tps_c / tps_e, 3),
                   "tokens_to_repay_compile": round(t.compile_seconds / saved_per_token) if saved_per_token > 0 else None}
-    res = {"dtype": str(t.dtype), "node_buckets": list(t.node_buckets), "key_bucket": t.key_bucket,
+    res = {"dtype": t.precision, "node_buckets": list(t.node_buckets), "key_bucket": t.key_bucket,
            "shapes_compiled": sorted(t.compiled_shapes), "compile_seconds_total": round(t.compile_seconds, 1),
            "compile_seconds_by_phase": dict(compiles), "steps": steps, "end_to_end": e2e,
            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(time.perf_counter() - t0)}
