@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from . import __version__
 from .config import GenerationConfig
 from .atomic import write_json
+from .budget import say
 from .data import load_prompts
 from .errors import DartLabError
 from .loading import load_target
@@ -269,11 +270,19 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     wids = target.encode_prompt(WARMUP_PROMPT)
     for _ in range(cfg.warmup):
         for m in methods:
+            if progress:
+                say(f"bench warm-up: {m}")
             runners[m].generate(wids, dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens)))
 
     it = prompts
     if progress:
         it = tqdm(prompts, desc=f"bench {cfg.dataset}", unit="prompt")
+
+    def generate(m: str, ids, gen_cfg):
+        if progress:  # the bar names the method running: one prompt takes seconds per method
+            it.set_postfix_str(m)
+        return runners[m].generate(ids, gen_cfg)
+
     order = list(methods)
     if "ar" in order:  # AR first in the list so match_ar can be judged; timing order still rotates
         order.remove("ar")
@@ -285,7 +294,7 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
             if all((prompt["id"], m, rep) in done for m in order):
                 continue
             k = (i * cfg.repeats + rep) % len(order)
-            results = {m: runners[m].generate(ids, gen_cfg) for m in order[k:] + order[:k]}
+            results = {m: generate(m, ids, gen_cfg) for m in order[k:] + order[:k]}
             ar = results["ar"] if ("ar" in results and greedy) else None
             rows = _append_rows(partial, key, rows, [dict(_row(results[m], prompt, m, ar), repeat=rep) for m in order])
 

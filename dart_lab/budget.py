@@ -351,6 +351,7 @@ def batch_cost_curve(target, batch: int, cfg: BudgetConfig = BudgetConfig(), cac
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     with LoadMeter() as meter:
+        say(f"timing batched verifies of {batch} rows x {min(sizes)}-{max(sizes)} nodes (cached)")
         curve = batch_verify_ms(target, batch, sizes, cfg.refresh_repeats, cfg.prompt_len)
     if cache and not meter.load["contended"]:  # a contended measurement serves this run only
         write_json(path, {"fingerprint": fp, "batch": batch, "verify_ms": curve, "machine_load": meter.load,

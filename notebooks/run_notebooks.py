@@ -25,7 +25,8 @@ from nbconvert import HTMLExporter
 HERE = Path(__file__).resolve().parent
 PLOTLY = "application/vnd.plotly.v1+json"
 WIDGET = "application/vnd.jupyter.widget-view+json"
-VISIBLE = {"stream", "display_data", "execute_result", "error", "update_display_data", "clear_output"}
+# what a student sees change: outputs, and widget updates (a progress bar moving is a comm message)
+VISIBLE = {"stream", "display_data", "execute_result", "error", "update_display_data", "clear_output", "comm_msg"}
 
 
 class TimedClient(NotebookClient):
@@ -61,7 +62,8 @@ def figure_report(nb) -> dict:
             if PLOTLY in o["data"]:
                 figs += 1
                 figs_static += "image/png" in o["data"]
-        n_widgets = sum(WIDGET in o["data"] for o in outs)
+        # progress bars (tqdm's widget; its text is the bar) need no static copy: they vanish harmlessly
+        n_widgets = sum(WIDGET in o["data"] and "%|" not in o["data"].get("text/plain", "") for o in outs)
         widgets += n_widgets
         # a widget's static form: a picture of its default state, or text that points to one
         static = images + any(o.get("output_type") == "stream" for o in cell.get("outputs", []))

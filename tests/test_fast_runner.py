@@ -190,8 +190,9 @@ def test_compiled_int4_steps_equal_eager_int4():
     target.prefill(prompt)
     eager = target.verify(tree).logits
     ar = generate(target, prompt, None, cfg).tokens
-    target.compile, target.node_buckets, target.key_bucket, target.compile_capacity = True, (1, 8), 64, 128
+    # one shape for everything (a token and the tree padded to 8 nodes, 128 keys): one compilation
+    target.compile, target.node_buckets, target.key_bucket, target.compile_capacity = True, (8,), 128, 128
     target.prefill(prompt)
     torch.testing.assert_close(target.verify(tree).logits, eager, atol=1e-3, rtol=1e-3)
     assert generate(target, prompt, None, cfg).tokens == ar
-    assert {nb for nb, _ in target.compiled_shapes} == {1, 8} and target.compile_seconds > 0
+    assert target.compiled_shapes == {(8, 128)} and target.compile_seconds > 0
