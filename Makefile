@@ -37,9 +37,10 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# unit tests + every notebook in smoke mode (nbval-lax: outputs are not compared, cells must run)
+# unit tests + every notebook in smoke mode (nbval-lax: outputs are not compared, cells must run); the figures'
+# static images are drawn only where a test looks at them (the browser test's export of notebook 03)
 test: $(STAMP)
-	DART_LAB_SMOKE=1 DART_LAB_SOLUTIONS=1 $(BIN)/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
+	DART_LAB_SMOKE=1 DART_LAB_SOLUTIONS=1 DART_LAB_STATIC_FIGURES=0 $(BIN)/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
 
 # the fast tier: unit tests on tiny random models (no embedded target, notebooks, commands or browser)
 test-fast: $(STAMP)

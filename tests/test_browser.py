@@ -58,7 +58,7 @@ def lab(tmp_path_factory):
     work = tmp_path_factory.mktemp("lab")
     shutil.copy(ROOT / "notebooks" / NOTEBOOK, work / NOTEBOOK)
     port, token = _free_port(), "dart-lab-test"
-    env = {**os.environ, "DART_LAB_SMOKE": "1", "JUPYTER_RUNTIME_DIR": str(work / ".runtime")}
+    env = {**os.environ, "DART_LAB_SMOKE": "1", "DART_LAB_STATIC_FIGURES": "1", "JUPYTER_RUNTIME_DIR": str(work / ".runtime")}
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--LabApp.expose_app_in_browser=True",
            "--ServerApp.disable_check_xsrf=True", "--allow-root"]
@@ -126,24 +126,30 @@ def test_notebook_03_runs_in_jupyterlab_and_its_slider_updates_the_figure(lab, t
         # the executed notebook, exported as a code host shows it: every figure present as an image
         page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
         time.sleep(3)
-        html, figures = _export_html(work / NOTEBOOK, tmp_path)
+        html, figure_cells = _export_html(work / NOTEBOOK, tmp_path)
         static = browser.new_page(java_script_enabled=False, viewport={"width": 1400, "height": 1000})
         static.goto(html.as_uri())
-        drawn = static.evaluate("() => [...document.images].filter(i => i.complete && i.naturalWidth > 0).length")
-        assert figures > 0 and drawn >= figures, (drawn, figures)
+        drawn = static.evaluate(_IMAGES_PER_CELL_JS)  # loaded images in each code cell, in order
+        assert figure_cells and len(drawn) >= max(figure_cells) + 1
+        assert all(drawn[i] > 0 for i in figure_cells), (drawn, figure_cells)
         browser.close()
 
 
-def _export_html(notebook: Path, out: Path) -> tuple[Path, int]:
-    """nbconvert's HTML of a saved notebook, and how many figures and widget cells its outputs hold (each
-    should show as an image with JavaScript off)."""
+# per code cell of an nbconvert (lab template) page: how many of its images have loaded
+_IMAGES_PER_CELL_JS = """() => [...document.querySelectorAll('.jp-CodeCell')].map(
+  c => [...c.querySelectorAll('img')].filter(i => i.complete && i.naturalWidth > 0).length)"""
+
+
+def _export_html(notebook: Path, out: Path) -> tuple[Path, list[int]]:
+    """nbconvert's HTML of a saved notebook, and the indices (among code cells) of the cells holding a
+    figure or a widget: each should show an image with JavaScript off."""
     import nbformat
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(notebook, as_version=4)
     outs = [[o for o in c.get("outputs", []) if "data" in o] for c in nb.cells if c.cell_type == "code"]
-    figures = sum("application/vnd.plotly.v1+json" in o["data"] for cell in outs for o in cell)
-    figures += sum(any("application/vnd.jupyter.widget-view+json" in o["data"] for o in cell) for cell in outs)
+    kinds = ("application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json")
+    cells = [i for i, cell in enumerate(outs) if any(k in o["data"] for o in cell for k in kinds)]
     path = out / "export.html"
     path.write_text(HTMLExporter().from_notebook_node(nb)[0])
-    return path, figures
+    return path, cells
