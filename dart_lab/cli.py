@@ -183,6 +183,7 @@ def _prompts(args) -> list[str]:
 def cmd_generate(args) -> int:
     prompts = _prompts(args)
     cfg = from_fields(GenerationConfig, args)
+    get_method(args.method)  # a bad name is refused before the target loads (and times its dtype)
     target = load_target(args.target, device=args.device, dtype=args.dtype, compile=args.compile)
     runner = make_runner(args.method, target, _options(args))
     ids = [target.encode_prompt(p, chat=not args.no_chat_template) for p in prompts]
