@@ -10,6 +10,9 @@ import time
 import torch
 
 CONTENDED_CORES = 0.15  # other processes' average CPU use (in cores) above which a measurement is contended
+# ... and at least this much of their CPU time in all: /proc/stat counts in clock ticks (10 ms), so over a
+# window of milliseconds one tick of another process would read as whole cores
+CONTENDED_MIN_CPU_S = 0.05
 
 
 def cpu_counters() -> tuple[float, float]:
@@ -35,7 +38,8 @@ def machine_load(start: tuple[float, float], wall_s: float) -> dict:
     cores = others / max(wall_s, 1e-9)
     return {"wall_s": round(wall_s, 2), "own_cpu_s": round(mine - start[1], 2), "others_cpu_s": round(others, 2),
             "others_cores": round(cores, 3), "own_cpu_per_wall": round((mine - start[1]) / max(wall_s, 1e-9), 3),
-            "loadavg": list(os.getloadavg()), "contended": bool(cores > CONTENDED_CORES)}
+            "loadavg": list(os.getloadavg()),
+            "contended": bool(cores > CONTENDED_CORES and others >= CONTENDED_MIN_CPU_S)}
 
 
 class LoadMeter:

@@ -435,3 +435,13 @@ def test_a_batch_without_trees_verifies_copies_only_where_the_batch_gains(monkey
     copies = sum(bool(s.get("copy_only")) for row in res.rows for s in row.steps)
     assert (copies > 0) if nodes == "free" else copies == 0
     assert [x.tokens for x in res.rows] == [generate(target, p, None, cfg).tokens for p in prompts]
+
+
+def test_one_clock_tick_of_another_process_does_not_make_a_short_window_contended(monkeypatch):
+    """/proc/stat counts in 10 ms ticks: over a 5 ms window one tick of another process reads as 2 cores.
+    Such a window is not contended; a second of another process's work over a second is."""
+    from dart_lab import machine
+    monkeypatch.setattr(machine, "cpu_counters", lambda: (100.01, 10.0))
+    assert not machine.machine_load((100.0, 10.0), 0.005)["contended"]
+    monkeypatch.setattr(machine, "cpu_counters", lambda: (101.0, 10.0))
+    assert machine.machine_load((100.0, 10.0), 1.0)["contended"]
