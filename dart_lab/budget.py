@@ -344,7 +344,7 @@ def batch_cost_curve(target, batch: int, cfg: BudgetConfig = BudgetConfig(), cac
                          .encode()).hexdigest()[:16]
     path = cache_dir() / "cost" / f"batch_{key}.json"
     if cache and path.is_file():
-        try:  # only a curve that says it was measured on a quiet machine (older files do not say: measured again)
+        try:  # served only when it records a quiet machine; a file without its machine load is measured again
             d = json.loads(path.read_text())
             if d["machine_load"] and not d["machine_load"]["contended"]:
                 return monotone({int(k): float(v) for k, v in d["verify_ms"].items()})

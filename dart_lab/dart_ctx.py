@@ -227,8 +227,9 @@ class ContextDrafter(DartDrafter):
         return chain[:keep], n, p
 
     def copy_offer(self, ids: list[int]) -> tuple[list[int], float]:
-        """Without a tree (a theta-0 batch step), the copy chain is what this drafter can verify."""
-        return self.offer_copy(ids) if self.ctx.copy else ([], 0.0)
+        """Without a tree (a theta-0 batch step), the copy chain is what this drafter can verify (none when
+        `ContextConfig.copy` is off: `copy_candidate` finds no chain then)."""
+        return self.offer_copy(ids)
 
     def offer_copy(self, ids: list[int]) -> tuple[list[int], np.float32]:
         """This step's copy chain and its p (`copy_candidate`), recorded so that `score_copies` scores it

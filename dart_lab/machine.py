@@ -10,8 +10,8 @@ import time
 import torch
 
 CONTENDED_CORES = 0.15  # other processes' average CPU use (in cores) above which a measurement is contended
-# ... and at least this much of their CPU time in all: /proc/stat counts in clock ticks (10 ms), so over a
-# window of milliseconds one tick of another process would read as whole cores
+# ... and at least this much of their CPU time in all: /proc/stat counts whole clock ticks, so over a very
+# short window a single tick of another process would read as whole cores
 CONTENDED_MIN_CPU_S = 0.05
 
 
