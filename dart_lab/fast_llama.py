@@ -160,28 +160,76 @@ def int4_groups(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.T
     return q.reshape(N, K).to(torch.int32), scale, low
 
 
+def int8_groups(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """w (N, K) -> (q (N, K) int32 in -127..127, scale (N, K/group, 1)) with w == q * scale per group of
+    `group` inputs, or None when w is not such a grid (max error > 1e-5 of the group's largest |w|).
+
+    A GGUF Q8_0 block is exactly this (the embedded target's LM head): its quantizer sets scale = the
+    group's max |w| / 127, so the scale is recovered from the values alone."""
+    N, K = w.shape
+    if K % group:
+        return None
+    g = w.detach().float().reshape(N, K // group, group)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    scale = amax / 127
+    q = (g / scale).round().clamp(-127, 127)
+    if ((q * scale - g).abs() > 1e-5 * amax).any():
+        return None
+    return q.reshape(N, K).to(torch.int32), scale
+
+
 class Int4Linear:
     """y = x W^T + b with W held as 4-bit groups (torch's int4-packed CPU layout): W's own values when W is a
     4-bit grid (`int4_groups`; the embedded target's layers are GGUF Q4_1), read at ~4.5 bits per weight
     instead of 32. The kernel multiplies in bf16 (x and each group's scale and zero rounded to bf16), so it
     is another arithmetic over the same weights, like a dtype: `dtype="int4"`, chosen by measured speed
-    under the argmax-agreement guard (loading.choose_dtype). x and y stay in x's dtype."""
+    under the argmax-agreement guard (loading.choose_dtype). x and y stay in x's dtype.
+
+    `halves=2` holds an 8-bit grid (`int8_groups`, GGUF Q8_0) as two 4-bit ones side by side along the
+    inputs: q = 16 hi + lo with hi in -8..7 and lo in 0..15, so x W^T = [x, x] [16 d hi | d lo]^T -- one call
+    of the same kernel over x repeated, reading 8 bits per weight instead of bf16's 16 (the LM head is
+    the largest single matrix a step reads)."""
 
     group = 32
 
-    def __init__(self, *mods: torch.nn.Linear, groups: tuple | None = None):
-        w = torch.cat([m.weight.detach() for m in mods])
-        self.b = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
-        q, scale, low = groups or int4_groups(w, self.group)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None = None,
+                 halves: int = 1):
+        """q (N, K) in 0..15 and per group scale, low (N, K/group, 1): w = q * scale + low; K = halves x the
+        layer's inputs."""
+        self.out_features, self.halves = q.shape[0], halves
+        self.in_features = q.shape[1] // halves
+        self.b = bias
+        self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         # the kernel's dequantisation is (q - 8) * scale + zero; (K/group, N, 2)
         self.sz = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
+    @classmethod
+    def of(cls, *mods: torch.nn.Linear, groups: tuple | None = None) -> "Int4Linear":
+        """The linears' weights side by side (q|k|v, gate|up), a 4-bit grid (`int4_groups`)."""
+        w = torch.cat([m.weight.detach() for m in mods])
+        q, scale, low = groups or int4_groups(w, cls.group)
+        return cls(q, scale, low, None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods]))
+
+    @classmethod
+    def of_8bit(cls, mod: torch.nn.Linear, groups: tuple | None = None) -> "Int4Linear":
+        """A linear whose weight is an 8-bit grid (`int8_groups`), as two 4-bit halves (class docstring)."""
+        q, d = groups or int8_groups(mod.weight, cls.group)
+        hi = torch.div(q, 16, rounding_mode="floor")
+        both = torch.cat([hi + 8, q - 16 * hi], 1)  # kernel q in 0..15: hi shifted by 8, lo as it is
+        # hi half: (hi + 8 - 8) * 16d + 0; lo half: (lo - 8) * d + 8d
+        scale, low = torch.cat([16 * d, d], 1), torch.cat([-128 * d, torch.zeros_like(d)], 1)
+        return cls(both, scale, low, None if mod.bias is None else mod.bias.detach(), halves=2)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.w.numel() * self.w.element_size() + self.sz.numel() * self.sz.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., sum of out)."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16), self.w,
-                                                       self.group, self.sz).to(x.dtype)
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.halves > 1:
+            x2 = torch.cat([x2] * self.halves, -1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, self.group, self.sz).to(x.dtype)
         if self.b is not None:
             y = y + self.b
         return y.view(*x.shape[:-1], self.out_features)
@@ -189,8 +237,8 @@ class Int4Linear:
 
 def int4_projections(model) -> tuple[list, object, dict]:
     """Per layer (qkv, o, gate_up, down) as `Int4Linear`s where the weights are 4-bit grids (else F.linear on
-    the module's weights), the LM head in bf16 (the embedded target's is Q8_0, not a 4-bit grid), and a
-    report: how many linears run in 4 bits."""
+    the module's weights), the LM head (below; the embedded target's is Q8_0), and a report: how many
+    linears run in 4 bits, what a one-token step reads."""
     n4 = n = read = 0
 
     def proj(*mods):
@@ -200,23 +248,31 @@ def int4_projections(model) -> tuple[list, object, dict]:
         grid = int4_groups(w, Int4Linear.group)
         if grid is not None:
             n4 += 1
-            lin = Int4Linear(*mods, groups=grid)
-            read += lin.w.numel() * lin.w.element_size() + lin.sz.numel() * lin.sz.element_size()
+            lin = Int4Linear.of(*mods, groups=grid)
+            read += lin.weight_bytes
             return lin
         read += w.numel() * w.element_size()
         return _side_by_side(*mods)
 
     layers = [(proj(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), proj(l.self_attn.o_proj),
                proj(l.mlp.gate_proj, l.mlp.up_proj), proj(l.mlp.down_proj)) for l in model.model.layers]
+    # the LM head: bf16 for one row (a GEMV that runs at memory speed, faster than the 4-bit kernel's
+    # unpacking there) and, where it is an 8-bit grid, two 4-bit halves for 2+ rows (a tree or a batch:
+    # bf16 matmuls grow about linearly in rows on a CPU without bf16 instructions, the 4-bit kernel slowly)
     head_w = model.lm_head.weight.detach().to(torch.bfloat16)
     head_b = None if model.lm_head.bias is None else model.lm_head.bias.detach().to(torch.bfloat16)
+    grid8 = int8_groups(model.lm_head.weight, Int4Linear.group)
+    rows8 = Int4Linear.of_8bit(model.lm_head, groups=grid8) if grid8 is not None else None
 
     def head(x: torch.Tensor) -> torch.Tensor:
+        if rows8 is not None and x.numel() > x.shape[-1]:
+            return rows8(x)
         return F.linear(x.to(torch.bfloat16), head_w, head_b)
 
+    head_kind = "bf16" if rows8 is None else "bf16 (1 row), int8 as two 4-bit halves (2+ rows)"
     read += head_w.numel() * head_w.element_size()
     # what a one-token step reads of the weights (norms and one embedding row aside)
-    return layers, head, {"int4_linears": n4, "linears": n, "lm_head": "bf16", "step_weight_bytes": read}
+    return layers, head, {"int4_linears": n4, "linears": n, "lm_head": head_kind, "step_weight_bytes": read}
 
 
 def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positions: torch.Tensor,
@@ -343,8 +399,8 @@ class FastTarget(Target):
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
-    # writes by index_copy_)
-    runner_revision = 3
+    # writes by index_copy_; 4: int4's LM head in 4-bit halves for 2+ rows)
+    runner_revision = 4
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -52,10 +52,12 @@ def _short(ds: str) -> str:
 
 
 def run_cells(preset, datasets, methods, num_prompts: int, max_new_tokens: int, temperatures, results_dir,
-              target=None, progress: bool = True, **option_overrides) -> list[dict]:
+              target=None, progress: bool = True, dtype: str | None = None, **option_overrides) -> list[dict]:
     """Run (or load from cache) one bench per dataset x temperature. Returns the result dicts.
-    preset: a name from presets.PRESETS or a Preset (tests use local stand-ins)."""
+    preset: a name from presets.PRESETS or a Preset (tests use local stand-ins); dtype: None for the
+    preset's."""
     pre = get_preset(preset) if isinstance(preset, str) else preset
+    dtype = dtype or pre.dtype
     out_dir = Path(results_dir) / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
@@ -63,14 +65,14 @@ def run_cells(preset, datasets, methods, num_prompts: int, max_new_tokens: int, 
         for temp in temperatures:
             ms = tuple(m for m in methods if temp == 0 or get_method(m).samples)
             cfg = BenchConfig(methods=ms, dataset=ds, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                              temperature=float(temp), model=pre.model, dtype=pre.dtype,
+                              temperature=float(temp), model=pre.model, dtype=dtype,
                               options=pre.options(**option_overrides))
             path = out_dir / f"{_short(ds)}_T{temp}_{cfg.key()}_{num_prompts}.json"
             if path.is_file():
                 res = json.loads(path.read_text())
             else:
                 if target is None:
-                    target = load_target(pre.model, dtype=pre.dtype)
+                    target = load_target(pre.model, dtype=dtype)
                 res = run_bench(cfg, path, target=target, progress=progress)
             res["_file"] = str(path)
             results.append(res)
@@ -213,13 +215,14 @@ def summary_markdown(t1: list[dict], preset: str) -> str:
 
 
 def run_batch_cell(preset, methods, num_prompts: int, max_new_tokens: int, batch_sizes, results_dir, target=None,
-                   progress: bool = True, **option_overrides) -> dict:
+                   progress: bool = True, dtype: str | None = None, **option_overrides) -> dict:
     """Tables 5-7's cell: one bench on the preset's HumanEval at T=0 with every batch size (`--batch-size`),
     methods interleaved per batch; cached by config hash under results_dir/bench/ like `run_cells`."""
     pre = get_preset(preset) if isinstance(preset, str) else preset
+    dtype = dtype or pre.dtype
     ds = next((d for d in pre.datasets if _short(d) == "humaneval"), "humaneval")
     cfg = BenchConfig(methods=tuple(methods), dataset=ds, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                      model=pre.model, dtype=pre.dtype, batch_sizes=tuple(batch_sizes),
+                      model=pre.model, dtype=dtype, batch_sizes=tuple(batch_sizes),
                       options=pre.options(**option_overrides))
     out_dir = Path(results_dir) / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -227,7 +230,7 @@ def run_batch_cell(preset, methods, num_prompts: int, max_new_tokens: int, batch
     if path.is_file():
         res = json.loads(path.read_text())
     else:
-        res = run_bench(cfg, path, target=target or load_target(pre.model, dtype=pre.dtype), progress=progress)
+        res = run_bench(cfg, path, target=target or load_target(pre.model, dtype=dtype), progress=progress)
     res["_file"] = str(path)
     return res
 

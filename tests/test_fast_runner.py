@@ -124,9 +124,14 @@ def test_compiled_steps_equal_eager_and_compile_once_per_shape():
 
 def _as_4bit_grids(model, group: int = 32, seed: int = 0) -> None:
     """Every decoder linear's weight replaced by a Q4_1-like grid: per group of `group` inputs,
-    w = q * d + m with q in 0..15 (the shape of the embedded target's GGUF layers)."""
+    w = q * d + m with q in 0..15 (the shape of the embedded target's GGUF layers), and the LM head by a
+    Q8_0-like one: w = q * d with q in -127..127, the group's largest |q| 127 (as the embedded target's)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        N, K = model.lm_head.weight.shape
+        q = torch.randint(-127, 128, (N, K // group, group), generator=g).float()
+        q[..., 0] = 127 * torch.where(torch.rand(N, K // group, generator=g) < 0.5, -1.0, 1.0)
+        model.lm_head.weight.copy_((q * (torch.rand(N, K // group, 1, generator=g) * 1e-3 + 1e-4)).reshape(N, K))
         for layer in model.model.layers:
             for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
@@ -143,18 +148,26 @@ def test_int4_weights_are_the_same_values_through_another_kernel():
     (and a weight that is no grid is refused: it stays dense); through torch's int4 kernel the runner's
     logits and aux states match the dense fp32 runner within bf16 arithmetic, and greedy speculation equals
     greedy AR wherever the top two logits are not near-tied (here: every step)."""
-    from dart_lab.fast_llama import Int4Linear, can_int4, int4_groups
+    from dart_lab.fast_llama import Int4Linear, can_int4, int4_groups, int8_groups
     if not can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     model = tiny_model("llama")
     assert int4_groups(model.model.layers[0].mlp.up_proj.weight) is None  # random weights: not a 4-bit grid
+    assert int8_groups(model.lm_head.weight) is None  # nor an 8-bit one
     _as_4bit_grids(model)
+    head = model.lm_head.weight
+    q, d = int8_groups(head)
+    assert int(q.abs().max()) == 127
+    torch.testing.assert_close((q.reshape(*d.shape[:2], -1) * d).reshape(head.shape), head, atol=0, rtol=1e-6)
+    x = torch.randn(3, head.shape[1])
+    # the 8-bit head through the 4-bit kernel (two halves): the same values, scales rounded to bf16
+    torch.testing.assert_close(Int4Linear.of_8bit(model.lm_head)(x), x @ head.T, atol=0.02, rtol=0.02)
     w = model.model.layers[0].mlp.down_proj.weight
     q, scale, low = int4_groups(w)
     assert int(q.min()) == 0 and int(q.max()) == 15
     torch.testing.assert_close((q.reshape(*scale.shape[:2], -1) * scale + low).reshape(w.shape), w, atol=1e-7, rtol=0)
     x = torch.randn(3, w.shape[1])
-    torch.testing.assert_close(Int4Linear(model.model.layers[0].mlp.down_proj)(x), x @ w.T, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(Int4Linear.of(model.model.layers[0].mlp.down_proj)(x), x @ w.T, atol=0.05, rtol=0.02)
 
     dense, packed = make_target(model, runner="fast"), make_target(model, runner="fast")
     packed.weights = "int4"
@@ -163,6 +176,7 @@ def test_int4_weights_are_the_same_values_through_another_kernel():
     tree = Tree(prompt[1:], torch.arange(-1, len(prompt) - 2))  # the rest of the prompt as a chain: a decoding step
     a, b = dense.verify(tree, want_aux=True), packed.verify(tree, want_aux=True)
     assert packed.dtype_report["int4"]["int4_linears"] == packed.dtype_report["int4"]["linears"] == 4 * 6
+    assert "int8" in packed.dtype_report["int4"]["lm_head"]  # a tree's rows through the 8-bit head
     assert packed.precision == "int4" and dense.precision == "torch.float32"
     torch.testing.assert_close(b.logits, a.logits, atol=0.15, rtol=0.02)
     torch.testing.assert_close(b.aux, a.aux, atol=0.05, rtol=0.02)

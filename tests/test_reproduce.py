@@ -62,15 +62,15 @@ def test_papermill_smoke_run_and_its_results(tmp_path):
     assert {r["method"] for r in rows} >= {"dart", "dart-no-ngram"}
     greedy = [r for r in rows if float(r["temperature"]) == 0.0]
     assert greedy
-    # lossless in the reproduction too: the preset decodes in the auto dtype (bf16 on most CPUs), where a
-    # divergence from AR must sit at a near-tie of AR's own choice (bench.NEAR_TIE_LOGITS); fp32: none
-    for f in (out / "bench").glob("*T0.0*.json"):
-        cell = json.loads(f.read_text())
+    # lossless in the reproduction too: the smoke run decodes in fp32, so every greedy output equals AR's
+    # (the auto dtype's near-tie rule is tested on the embedded target in test_embedded)
+    cells = [json.loads(f.read_text()) for f in (out / "bench").glob("*T0.0*.json")]
+    assert cells
+    for cell in cells:
+        assert cell["machine"]["dtype"] == "torch.float32"
         for m, d in cell["methods"].items():
-            if m != "ar" and d.get("divergences") is not None:
-                assert d["unexplained_divergences"] == 0, (m, d["max_divergence_margin"])
-                if cell["machine"]["dtype"] == "torch.float32":
-                    assert d["divergences"] == 0
+            if m != "ar":
+                assert d["divergences"] == 0, (m, d.get("max_divergence_margin"))
     assert all(float(r["speedup"]) > 0 and float(r["tau"]) >= 1.0 for r in rows)
     t2 = list(csv.DictReader(open(out / "table2.csv")))
     assert t2 and t2[0]["dataset"] == "mt_bench"
