@@ -235,6 +235,20 @@ class Int4Linear:
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def _fp16_holds_head(model) -> bool:
+    """Whether the LM head's input and every logit stay inside fp16's range for any input: the head reads
+    the final RMSNorm's output x, whose norm is at most sqrt(H) max|gamma|, so |x_i| and every logit
+    |w_j . x| + |b_j| are bounded by the weights alone."""
+    norm = getattr(model.model, "norm", None)
+    gamma = getattr(norm, "weight", None)
+    if gamma is None:
+        return False
+    w, b = model.lm_head.weight.detach().float(), model.lm_head.bias
+    x_norm = w.shape[1] ** 0.5 * float(gamma.detach().abs().max())
+    logit = x_norm * float(w.norm(dim=1).max()) + (0.0 if b is None else float(b.detach().abs().max()))
+    return max(x_norm, logit, float(w.abs().max())) < torch.finfo(torch.float16).max / 2
+
+
 def int4_projections(model) -> tuple[list, object, dict]:
     """Per layer (qkv, o, gate_up, down) as `Int4Linear`s where the weights are 4-bit grids (else F.linear on
     the module's weights), the LM head (below; the embedded target's is Q8_0), and a report: how many
@@ -256,20 +270,23 @@ def int4_projections(model) -> tuple[list, object, dict]:
 
     layers = [(proj(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), proj(l.self_attn.o_proj),
                proj(l.mlp.gate_proj, l.mlp.up_proj), proj(l.mlp.down_proj)) for l in model.model.layers]
-    # the LM head: bf16 for one row (a GEMV that runs at memory speed, faster than the 4-bit kernel's
+    # the LM head: 16-bit for one row (a GEMV that runs at memory speed, faster than the 4-bit kernel's
     # unpacking there) and, where it is an 8-bit grid, two 4-bit halves for 2+ rows (a tree or a batch:
-    # bf16 matmuls grow about linearly in rows on a CPU without bf16 instructions, the 4-bit kernel slowly)
-    head_w = model.lm_head.weight.detach().to(torch.bfloat16)
-    head_b = None if model.lm_head.bias is None else model.lm_head.bias.detach().to(torch.bfloat16)
+    # half-type matmuls grow about linearly in rows on a CPU without such instructions, the 4-bit kernel
+    # slowly). fp16 where its range provably holds: 3 more mantissa bits than bf16 over the same bytes
+    half = torch.float16 if _fp16_holds_head(model) else torch.bfloat16
+    head_w = model.lm_head.weight.detach().to(half)
+    head_b = None if model.lm_head.bias is None else model.lm_head.bias.detach().to(half)
     grid8 = int8_groups(model.lm_head.weight, Int4Linear.group)
     rows8 = Int4Linear.of_8bit(model.lm_head, groups=grid8) if grid8 is not None else None
 
     def head(x: torch.Tensor) -> torch.Tensor:
         if rows8 is not None and x.numel() > x.shape[-1]:
             return rows8(x)
-        return F.linear(x.to(torch.bfloat16), head_w, head_b)
+        return F.linear(x.to(half), head_w, head_b)
 
-    head_kind = "bf16" if rows8 is None else "bf16 (1 row), int8 as two 4-bit halves (2+ rows)"
+    name = "fp16" if half == torch.float16 else "bf16"
+    head_kind = name if rows8 is None else f"{name} (1 row), int8 as two 4-bit halves (2+ rows)"
     read += head_w.numel() * head_w.element_size()
     # what a one-token step reads of the weights (norms and one embedding row aside)
     return layers, head, {"int4_linears": n4, "linears": n, "lm_head": head_kind, "step_weight_bytes": read}
@@ -399,8 +416,8 @@ class FastTarget(Target):
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
-    # writes by index_copy_; 4: int4's LM head in 4-bit halves for 2+ rows)
-    runner_revision = 4
+    # writes by index_copy_; 4: int4's LM head in 4-bit halves for 2+ rows; 5: and in fp16 for one row)
+    runner_revision = 5
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -176,7 +176,8 @@ def test_int4_weights_are_the_same_values_through_another_kernel():
     tree = Tree(prompt[1:], torch.arange(-1, len(prompt) - 2))  # the rest of the prompt as a chain: a decoding step
     a, b = dense.verify(tree, want_aux=True), packed.verify(tree, want_aux=True)
     assert packed.dtype_report["int4"]["int4_linears"] == packed.dtype_report["int4"]["linears"] == 4 * 6
-    assert "int8" in packed.dtype_report["int4"]["lm_head"]  # a tree's rows through the 8-bit head
+    # a tree's rows through the 8-bit head; one row in fp16 (the head's range bound holds for this model)
+    assert packed.dtype_report["int4"]["lm_head"].startswith("fp16 (1 row), int8")
     assert packed.precision == "int4" and dense.precision == "torch.float32"
     torch.testing.assert_close(b.logits, a.logits, atol=0.15, rtol=0.02)
     torch.testing.assert_close(b.aux, a.aux, atol=0.05, rtol=0.02)
@@ -185,6 +186,22 @@ def test_int4_weights_are_the_same_values_through_another_kernel():
     spec = generate(packed, prompt, OracleDrafter(prompt.tolist() + ar, packed.vocab_size, depth=5), cfg)
     assert spec.tokens == ar and len(spec.steps) < len(ar) / 2  # drafts accepted, same tokens
     torch.testing.assert_close(packed.prefill(prompt).logits, dense.prefill(prompt).logits)  # prompts run dense
+
+
+def test_the_one_row_head_runs_in_fp16_only_where_its_range_provably_holds():
+    """int4's one-row LM head: fp16 (finer than bf16 over the same bytes) when the final norm's gain and
+    the head's rows bound every input and logit inside fp16's range, else bf16."""
+    from dart_lab.fast_llama import _fp16_holds_head, int4_projections
+    model = tiny_model("llama")
+    assert _fp16_holds_head(model)
+    x = torch.randn(2, 1, model.config.hidden_size)
+    _, head, report = int4_projections(model)
+    assert report["lm_head"] == "fp16"  # random weights: no 8-bit grid, so every row count reads fp16
+    torch.testing.assert_close(head(x[0]).float(), x[0] @ model.lm_head.weight.T, atol=2e-3, rtol=2e-3)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(5e3)  # a gain whose normed states could pass 65504
+    assert not _fp16_holds_head(model)
+    assert int4_projections(model)[2]["lm_head"] == "bf16"
 
 
 @pytest.mark.slow  # torch.compile: tens of seconds
