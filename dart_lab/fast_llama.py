@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -396,7 +397,9 @@ class StepGraph(torch.nn.Module):
         self.shapes.add(shape)
         # freezing is read while compiling (passed through torch.compile's `options` it did not reach the
         # compiler: the linears stayed aten::mm, unpacked), so it is set around the call that compiles
-        with torch._inductor.config.patch(freezing=True):
+        # int4's head mixes fp16 (one row) and bf16 (the 4-bit kernel's activations) by design
+        with torch._inductor.config.patch(freezing=True), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed")
             return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
 
 
