@@ -419,8 +419,11 @@ class FastTarget(Target):
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
-    # writes by index_copy_; 4: int4's LM head in 4-bit halves for 2+ rows; 5: and in fp16 for one row)
-    runner_revision = 5
+    # writes by index_copy_)
+    runner_revision = 3
+    # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
+    # 4-bit halves for 2+ rows and in fp16 for one row)
+    int4_revision = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()

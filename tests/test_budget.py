@@ -445,3 +445,16 @@ def test_one_clock_tick_of_another_process_does_not_make_a_short_window_contende
     assert not machine.machine_load((100.0, 10.0), 0.005)["contended"]
     monkeypatch.setattr(machine, "cpu_counters", lambda: (101.0, 10.0))
     assert machine.machine_load((100.0, 10.0), 1.0)["contended"]
+
+
+def test_a_change_to_the_4bit_path_invalidates_only_4bit_cost_curves(monkeypatch):
+    """The cost curve's cache key (`budget.fingerprint`): the 4-bit path's own revision is part of an int4
+    target's key only, so raising it re-measures int4 curves and leaves dense ones valid."""
+    from dart_lab.budget import fingerprint
+    from dart_lab.fast_llama import FastTarget
+    dense, packed = tiny_target("llama", runner="fast"), tiny_target("llama", runner="fast")
+    packed.weights = "int4"
+    before = fingerprint(dense), fingerprint(packed)
+    assert "int4_revision" not in before[0] and before[1]["int4_revision"] == FastTarget.int4_revision
+    monkeypatch.setattr(FastTarget, "int4_revision", FastTarget.int4_revision + 1)
+    assert fingerprint(dense) == before[0] and fingerprint(packed) != before[1]
