@@ -16,6 +16,9 @@ grows by concatenation every step, the full hidden-states tuple -- not the matmu
   - `weights="int4"` (`--dtype int4`): 4-bit weight-only matmuls (torch's CPU int4 kernel) over the same
     values where the weights are 4-bit grids, as the embedded target's GGUF Q4_1 layers are: a one-token
     step reads ~4.5 bits per weight instead of 32 (`Int4Linear`; docs/speed.md for what it measures).
+    The 4-bit kernel's cost grows with a step's rows faster than a 16-bit matmul's, so each linear takes,
+    per row count, the path measured fastest on this machine (`int4_by_rows`: 4 bits, the dense weights,
+    bf16 copies where oneDNN packs bf16): AR's one-token steps in 4 bits, a wide tree or batch dense.
   - optionally (`compile=True`, `--compile`), one-token steps and tree verifies through `torch.compile`
     with static shapes (`StepGraph`: nodes padded to a few buckets, attention over the cache in fixed
     multiples of slots under the additive mask, inductor's freezing packing the weights): fused small
@@ -274,23 +277,163 @@ def int4_projections(model) -> tuple[list, object, dict]:
     # the LM head: 16-bit for one row (a GEMV that runs at memory speed, faster than the 4-bit kernel's
     # unpacking there) and, where it is an 8-bit grid, two 4-bit halves for 2+ rows (a tree or a batch:
     # half-type matmuls grow about linearly in rows on a CPU without such instructions, the 4-bit kernel
-    # slowly). fp16 where its range provably holds: 3 more mantissa bits than bf16 over the same bytes
+    # slowly; where it has them, `int4_by_rows` measures which wins per row count). fp16 where its range
+    # provably holds: 3 more mantissa bits than bf16 over the same bytes
     half = torch.float16 if _fp16_holds_head(model) else torch.bfloat16
     head_w = model.lm_head.weight.detach().to(half)
     head_b = None if model.lm_head.bias is None else model.lm_head.bias.detach().to(half)
     grid8 = int8_groups(model.lm_head.weight, Int4Linear.group)
     rows8 = Int4Linear.of_8bit(model.lm_head, groups=grid8) if grid8 is not None else None
 
-    def head(x: torch.Tensor) -> torch.Tensor:
-        if rows8 is not None and x.numel() > x.shape[-1]:
-            return rows8(x)
-        return F.linear(x.to(half), head_w, head_b)
-
     name = "fp16" if half == torch.float16 else "bf16"
+    one_row = {name: lambda x: F.linear(x.to(half), head_w, head_b)}
+    head = ByRows(one_row, ((1, name),)) if rows8 is None else \
+        ByRows({**one_row, "int8 halves": rows8}, ((1, name), (2, "int8 halves")))
     head_kind = name if rows8 is None else f"{name} (1 row), int8 as two 4-bit halves (2+ rows)"
     read += head_w.numel() * head_w.element_size()
     # what a one-token step reads of the weights (norms and one embedding row aside)
     return layers, head, {"int4_linears": n4, "linears": n, "lm_head": head_kind, "step_weight_bytes": read}
+
+
+class ByRows:
+    """A linear computed by whichever of several paths (same weights, other arithmetic or layout) measured
+    fastest for the step's row count -- one row per node and batch row: `table` is ((from_rows, name), ...)
+    ascending, a step of r rows takes the path of the last entry with from_rows <= r."""
+
+    def __init__(self, paths: dict, table: tuple):
+        self.paths, self.table = paths, table
+
+    def path(self, rows: int) -> str:
+        name = self.table[0][1]
+        for r, n in self.table:
+            if rows >= r:
+                name = n
+        return name
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.paths[self.path(x.numel() // x.shape[-1])](x)
+
+    def describe(self) -> str:
+        """e.g. "int4 (1-8 rows), bf16 (16+ rows)"."""
+        ends = [r for r, _ in self.table[1:]]
+        parts = []
+        for (r, n), end in zip(self.table, ends + [None]):
+            span = f"{r}+" if end is None else (f"{r}" if end - 1 == r else f"{r}-{end - 1}")
+            parts.append(f"{n} ({span} row{'' if span == '1' else 's'})")
+        return ", ".join(parts)
+
+
+def _time_path(name: str, fn, x: torch.Tensor) -> float:
+    """Wall ms of one call fn(x) (`name`: which path, for a test's stand-in clock)."""
+    t0 = time.perf_counter()
+    fn(x)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=(1, 2, 4, 8, 16, 32, 64),
+                    rounds: int = 5) -> tuple[tuple, dict]:
+    """paths: name -> the callables of that path, one per layer (or one). Time each path at each row count
+    as one sweep through all its callables -- every layer's weights read from memory, as a step reads
+    them (one linear timed alone stays in the cache, where 4 bits lose their edge) -- in interleaved
+    rounds after a warm-up sweep; from 8 rows on, a path more than 3x the best is not timed again (its
+    cost grows faster than the others'). Returns the table for `ByRows` and the medians {rows: {name: ms}};
+    ties go to the path listed first."""
+    import statistics
+
+    times, table, dropped = {}, [], set()
+    g = torch.Generator().manual_seed(0)
+    for r in rows:
+        x = torch.randn(r, in_features, generator=g).to(dtype)
+        live = [n for n in paths if n not in dropped]
+        sweeps = {n: (lambda fns: lambda x: [f(x) for f in fns])(paths[n]) for n in live}
+        got = {n: [] for n in live}
+        for n in live:
+            sweeps[n](x)
+        for _ in range(rounds):
+            for n in live:
+                got[n].append(_time_path(n, sweeps[n], x))
+        times[r] = {n: round(statistics.median(v), 3) for n, v in got.items()}
+        best = min(live, key=lambda n: (times[r][n], live.index(n)))
+        if r >= 8:
+            dropped |= {n for n in live if times[r][n] > 3 * times[r][best]}
+        if not table or table[-1][1] != best:
+            table.append((r, best))
+    return tuple(table), times
+
+
+def _half_linear(w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype, pack: bool):
+    """x -> x W^T + b in a 16-bit `dtype` (oneDNN-packed where `pack`), returned in x's dtype."""
+    if pack:
+        lin = PackedLinear(_Weights(w.to(dtype), None if b is None else b.to(dtype)))
+        return lambda x: lin(x.to(dtype)).to(x.dtype)
+    wd, bd = w.to(dtype), None if b is None else b.to(dtype)
+    return lambda x: F.linear(x.to(dtype), wd, bd).to(x.dtype)
+
+
+class _Weights:
+    """A stand-in nn.Linear (weight, bias) for PackedLinear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+
+def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -> tuple[list, object, dict]:
+    """The 4-bit target with every linear's path measured per row count (`fastest_by_rows`, `ByRows`):
+    `int4` = `int4_projections(model)[:2]`, `dense` = the model's own (layers, head) in its dtype (packed
+    where that applies); where the model is fp32 and oneDNN packs bf16 on this CPU, bf16 copies are a third
+    path. The 4-bit kernel's cost grows with the rows much faster than a 16-bit matmul's on CPUs with bf16
+    units, so a tree or a batch can be cheaper dense than in 4 bits; every path reads the same weights (the
+    dense ones exactly, 4 bits their own grid), so this is the int4 arithmetic's near-tie contract. One
+    table per kind of linear (q|k|v, o, gate|up, down: every layer's alike), one for the LM head; `tables`
+    (kind -> table, as a report's "tables") skips the timing. Returns (layers, head, report)."""
+    (layers4, head4), (layers_d, head_d) = int4, dense
+    dt = model.lm_head.weight.dtype
+    bf16 = dt == torch.float32 and can_pack(model.lm_head.weight.device, torch.bfloat16)
+    mods = [_layer_mods(l) for l in model.model.layers]
+    kinds, report, layers = ("qkv", "o", "gate_up", "down"), {}, [[None] * 4 for _ in mods]
+    for j, kind in enumerate(kinds):
+        paths = {"int4": [row[j] for row in layers4], dt_name(dt): [row[j] for row in layers_d]}
+        if bf16:
+            paths["bf16"] = [_half_linear(torch.cat([m.weight.detach() for m in ms[j]]),
+                                          None if ms[j][0].bias is None else torch.cat([m.bias.detach() for m in ms[j]]),
+                                          torch.bfloat16, pack=True) for ms in mods]
+        table, times = ((tables[kind], None) if tables else fastest_by_rows(paths, mods[0][j][0].in_features, dt))
+        used = {n for _, n in table}  # paths no row count takes are dropped (their copies freed)
+        for i in range(len(mods)):
+            layers[i][j] = ByRows({n: paths[n][i] for n in used}, table)
+        report[kind] = {"paths": layers[0][j].describe(), "ms_by_rows": times}
+    head_paths = {n: [f] for n, f in head4.paths.items()}
+    head_paths[dt_name(dt)] = [head_d]
+    if bf16:
+        head_paths["bf16 packed"] = [_half_linear(model.lm_head.weight.detach(), model.lm_head.bias, torch.bfloat16,
+                                                  pack=True)]
+    table, times = ((tables["lm_head"], None) if tables
+                    else fastest_by_rows(head_paths, model.lm_head.in_features, dt))
+    head = ByRows({n: head_paths[n][0] for _, n in table}, table)
+    report["lm_head"] = {"paths": head.describe(), "ms_by_rows": times}
+    report["tables"] = {**{k: layers[0][j].table for j, k in enumerate(kinds)}, "lm_head": head.table}
+    return [tuple(row) for row in layers], head, report
+
+
+def int4_paths_file(target) -> "Path":
+    """Where `FastTarget` caches its int4 path tables: per machine and target (`budget.fingerprint`)."""
+    import hashlib
+    import json
+
+    from .assets import cache_dir
+    from .budget import fingerprint
+
+    key = hashlib.sha256(json.dumps(fingerprint(target), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "cost" / f"int4_paths_{key}.json"
+
+
+def _layer_mods(l) -> tuple:
+    return ((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), (l.self_attn.o_proj,),
+            (l.mlp.gate_proj, l.mlp.up_proj), (l.mlp.down_proj,))
+
+
+def dt_name(dt: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, str(dt))
 
 
 def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positions: torch.Tensor,
@@ -370,7 +513,8 @@ class StepGraph(torch.nn.Module):
         self.gate_up = torch.nn.ModuleList(_fused_linear(l.mlp.gate_proj, l.mlp.up_proj) for l in layers)
         self.geometry, self.key, self.shapes = target._geometry(), key, set()
         # 4-bit weights: the int4 kernel's calls stay as they are in the graph, the ops between them fuse
-        self.int4 = target._int4() if target.weights == "int4" else None
+        # (4 bits at every width: the dense paths' oneDNN calls are left out of the graph)
+        self.int4 = target._int4(by_rows=False) if target.weights == "int4" else None
         self.eval()
         # kept out of the module registry (a compiled module holding itself would loop in .modules())
         object.__setattr__(self, "_compiled", torch.compile(self, dynamic=False, fullgraph=True))
@@ -422,8 +566,12 @@ class FastTarget(Target):
     # writes by index_copy_)
     runner_revision = 3
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
-    # 4-bit halves for 2+ rows and in fp16 for one row)
-    int4_revision = 2
+    # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count)
+    int4_revision = 3
+    # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
+    # the dense weights, bf16 copies: `int4_by_rows`); "4bit" = 4 bits at every width (one arithmetic for
+    # AR and trees; compiled steps always)
+    int4_paths: str = "measured"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -440,7 +588,7 @@ class FastTarget(Target):
         self.runner = "fast"
         self._k = self._v = None
         self._packed, self._packed_key, self._params = None, None, None
-        self._int4_packed, self._int4_key = None, None
+        self._int4_packed, self._int4_key, self._int4_rows = None, None, None
         self._kv_views, self._step_graph = None, None
         self.compile_seconds = 0.0  # time spent in first calls of new shapes (compiling), this target's life
 
@@ -480,17 +628,54 @@ class FastTarget(Target):
         # a weight replaced (new storage) or edited in place (version bump) changes the key
         return (self.dtype, self.device, [p.data_ptr() for p in self._params], sum(p._version for p in self._params))
 
-    def _int4(self) -> tuple[list, object]:
-        """`int4_projections` of the current weights, built on first use and when the weights change."""
+    def _int4(self, by_rows: bool | None = None) -> tuple[list, object]:
+        """`int4_projections` of the current weights (by_rows: each linear's path measured per row count,
+        `int4_by_rows`; default: `int4_paths`), built on first use and when the weights change."""
         if not can_int4(self.device):
             raise RuntimeError(f"int4 weights need torch's CPU int4 kernel (device {self.device.type})")
+        by_rows = self.int4_paths == "measured" if by_rows is None else by_rows
         key = self._weights_key()
         if key != self._int4_key:
             with torch.no_grad():
                 layers, head, report = int4_projections(self.model)
-            self._int4_packed, self._int4_key = (layers, head), key
+            self._int4_packed, self._int4_key, self._int4_rows = (layers, head), key, None
             self.dtype_report = {**self.dtype_report, "int4": report}
-        return self._int4_packed
+        if not by_rows:
+            return self._int4_packed
+        if self._int4_rows is None:
+            self._int4_rows = self._int4_by_rows()
+        return self._int4_rows
+
+    def _int4_by_rows(self) -> tuple[list, object]:
+        """`int4_by_rows`, its tables cached per machine like a cost curve (`budget.fingerprint`; served only
+        when measured on a quiet machine, and a contended measurement is not written)."""
+        import json
+
+        from .atomic import write_json
+        from .machine import LoadMeter
+
+        path, tables = int4_paths_file(self), None
+        if path.is_file():
+            try:
+                d = json.loads(path.read_text())
+                if not d["machine_load"]["contended"]:
+                    tables = {k: tuple((int(r), n) for r, n in t) for k, t in d["tables"].items()}
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        with torch.no_grad(), LoadMeter() as meter:
+            try:
+                layers, head, report = int4_by_rows(self.model, self._int4_packed, self.projections(prefill=True),
+                                                    tables)
+            except KeyError:  # a cached table names a path this build lacks: measure again
+                tables = None
+                layers, head, report = int4_by_rows(self.model, self._int4_packed, self.projections(prefill=True))
+        if tables is None and not meter.load["contended"]:
+            write_json(path, {"tables": report["tables"], "ms_by_rows": {k: v["ms_by_rows"] for k, v in report.items()
+                                                                          if k != "tables"},
+                              "machine_load": meter.load, "measured_at": time.time()})
+        report["cached"] = tables is not None
+        self.dtype_report = {**self.dtype_report, "int4": {**self.dtype_report["int4"], "by_rows": report}}
+        return layers, head
 
     # -- cache
     @property

@@ -170,7 +170,7 @@ def test_int4_weights_are_the_same_values_through_another_kernel():
     torch.testing.assert_close(Int4Linear.of(model.model.layers[0].mlp.down_proj)(x), x @ w.T, atol=0.05, rtol=0.02)
 
     dense, packed = make_target(model, runner="fast"), make_target(model, runner="fast")
-    packed.weights = "int4"
+    packed.weights, packed.int4_paths = "int4", "4bit"  # 4 bits at every width (the measured paths: below)
     prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
     dense.prefill(prompt[:1]), packed.prefill(prompt[:1])
     tree = Tree(prompt[1:], torch.arange(-1, len(prompt) - 2))  # the rest of the prompt as a chain: a decoding step
@@ -204,6 +204,62 @@ def test_the_one_row_head_runs_in_fp16_only_where_its_range_provably_holds():
     assert int4_projections(model)[2]["lm_head"] == "bf16"
 
 
+class _Quiet:
+    """machine.LoadMeter's stand-in: a measurement on a quiet machine."""
+
+    def __enter__(self):
+        self.load = {"contended": False}
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, tmp_path):
+    """int4_paths "measured" (`fast_llama.int4_by_rows`): each linear runs, per row count, the path timed
+    fastest -- here a stand-in clock where 4 bits cost r and the dense weights 4 + r/8 -- so narrow steps
+    read 4 bits and wide ones the dense weights: a one-token step equals the all-4-bit target's, an 8-node
+    tree the dense fp32 runner's; AR and speculation then run two arithmetics and part only at near-ties."""
+    from dart_lab import fast_llama, machine
+    from dart_lab.bench import NEAR_TIE_LOGITS
+    if not fast_llama.can_int4(torch.device("cpu")):
+        pytest.skip("this torch has no CPU int4 kernel")
+    cost = {"int4": lambda r: r, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5, "fp32": lambda r: 4 + r / 8}
+    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
+    monkeypatch.setattr(machine, "LoadMeter", _Quiet)  # the stand-in clock's run counts as a quiet machine
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    _as_4bit_grids(model)
+    dense, four, measured = (make_target(model, runner="fast") for _ in range(3))
+    four.weights, four.int4_paths = "int4", "4bit"
+    measured.weights = "int4"
+    layers, head = measured._int4()
+    assert all(p.table == ((1, "int4"), (8, "fp32")) for row in layers for p in row)
+    assert head.table == ((1, "fp16"), (8, "fp32")) and head.path(5) == "fp16" and head.path(64) == "fp32"
+    assert measured.dtype_report["int4"]["by_rows"]["qkv"]["paths"] == "int4 (1-7 rows), fp32 (8+ rows)"
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    one = Tree(torch.tensor([7]), torch.tensor([-1]))
+    chain = Tree(torch.arange(20, 28), torch.arange(-1, 7))
+    for t in (dense, four, measured):  # prompts run dense in every mode
+        t.prefill(prompt)
+    torch.testing.assert_close(measured.verify(chain).logits, dense.verify(chain).logits, atol=1e-5, rtol=1e-5)
+    for t in (four, measured):
+        t.prefill(prompt)
+    torch.testing.assert_close(measured.verify(one).logits, four.verify(one).logits, atol=0, rtol=0)
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    ar = generate(measured, prompt, None, cfg)
+    spec = generate(measured, prompt, OracleDrafter(prompt.tolist() + ar.tokens, measured.vocab_size, depth=9), cfg)
+    assert max(s["tree_size"] for s in spec.steps) >= 8  # trees wide enough for the dense path
+    i = next((j for j, (a, b) in enumerate(zip(ar.tokens, spec.tokens)) if a != b), None)
+    assert i is None or ar.margins[i] <= NEAR_TIE_LOGITS
+    # the tables are cached per machine: another build reads them, whatever its clock would say
+    cost["int4"] = lambda r: 0.0
+    again = make_target(model, runner="fast")
+    again.weights = "int4"
+    assert again._int4()[0][0][0].table == ((1, "int4"), (8, "fp32"))
+    assert again.dtype_report["int4"]["by_rows"]["cached"] and not measured.dtype_report["int4"]["by_rows"]["cached"]
+
+
 @pytest.mark.slow  # torch.compile: tens of seconds
 def test_compiled_int4_steps_equal_eager_int4():
     """4-bit weights compiled (`StepGraph` over the `Int4Linear` calls, the ops between them fused): the same
@@ -214,7 +270,7 @@ def test_compiled_int4_steps_equal_eager_int4():
     model = tiny_model("llama")
     _as_4bit_grids(model)
     target = make_target(model, runner="fast")
-    target.weights = "int4"
+    target.weights, target.int4_paths = "int4", "4bit"  # compiled steps run 4 bits at every width
     prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
     tree = Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
     cfg = GenerationConfig(max_new_tokens=20, stop_on_eos=False)

@@ -15,3 +15,8 @@ def test_gpu_check_script_at_toy_size(tmp_path):
     res = json.loads(out.read_text())
     assert res["ok"] and res["runner"] == "fast"
     assert set(res["verify_ratio"]) == {"1", "4", "16", "61"} and res["predicted_speedup_theta60"] > 0
+    # batches: every row = batch-1 AR on both runners (part of ok), stage costs per batch size
+    assert {"batch3-dart-fast", "batch3-pld-hf"} <= set(res["lossless_fp32"]["qwen3"])
+    assert set(res["batch"]) == {"1", "2"}
+    for row in res["batch"].values():
+        assert row["dart"]["nodes_per_row"] > row["ar"]["nodes_per_row"] == 1 and row["predicted_dart_over_base"] > 0

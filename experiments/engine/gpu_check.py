@@ -1,6 +1,7 @@
-"""Device check, one script (<= 8 minutes on one CUDA GPU): correctness on the device, then the cost
-of every DART stage with a random-weight target shaped like Qwen3-4B and a random official-layout DART
-head, and the speedup the cost model predicts at the paper's tau.
+"""Device check, one script (<= 8 minutes on one CUDA GPU): correctness on the device (one sequence and
+batches), then the cost of every DART stage with a random-weight target shaped like Qwen3-4B and a random
+official-layout DART head, one sequence and batches of 1-64 rows, and the speedup the cost model predicts
+at the paper's tau beside the paper's own (Table 1; Tables 5-7 for batches).
 
     python experiments/engine/gpu_check.py [--toy] [--device auto] [--dtype bf16] [--out gpu_check.json]
 
@@ -8,7 +9,13 @@ head, and the speedup the cost model predicts at the paper's tau.
 wheel cannot travel to a GPU machine here, and timings depend on shapes, not on weight values.
 Printed: verify ms by tree size (as a ratio to one token), draft and search ms, and
     predicted speedup(theta) = tau * t_verify(1) / (t_verify(theta + 1) + t_draft + t_search)
-with the paper's mean tau for Qwen3-4B (Table 1), at theta = 60 and at the best theta.
+with the paper's mean tau for Qwen3-4B (Table 1), at theta = 60 and at the best theta. Batches: per
+batch size B, one batched AR decode and one batched DART decode (theta 60, the released budget) of a few
+tokens per row, each step's stages (propose = the head's one batched forward + each row's search,
+verify = one forward of B x 61 nodes, accept) as medians, and
+    predicted DART / base at B = tau * t_AR step(B) / t_DART step(B)
+beside the paper's measured ratio for Qwen3-4B at that batch (Table 5). Random weights accept ~nothing,
+so only the step costs are read from the decodes; tau is the paper's.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: a device box may not install dart_lab
-from dart_lab import GenerationConfig, Tree, generate  # noqa: E402
+from dart_lab import GenerationConfig, Tree, generate, generate_batch  # noqa: E402
 from dart_lab.budget import choose_budget, measure_verify  # noqa: E402
 from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter  # noqa: E402
 from dart_lab.loading import make_target, resolve_device  # noqa: E402
@@ -63,6 +70,17 @@ def check_lossless(device) -> dict:
         same = {"ar-fast": generate(fast, prompt, None, cfg).tokens == ar}
         for m, d in drafters.items():
             same[m] = generate(fast, prompt, d, cfg).tokens == ar
+        # batches: three prompts of different lengths, every row = batch-1 AR on its prompt, both runners
+        prompts = [prompt, prompt[:3], torch.cat([prompt, prompt + 1])]
+        alone = [generate(hf, p, None, cfg).tokens for p in prompts]
+        fresh = {"ar": lambda: None,
+                 "dart": lambda: DartDrafter(drafters["dart"].head, ng, TreeSearchConfig(max_nodes=24)),
+                 "pld": PLDDrafter}
+        for runner, t in (("fast", fast), ("hf", hf)):
+            for m, make in fresh.items():
+                ds = None if m == "ar" else [make() for _ in prompts]
+                rows = generate_batch(t, prompts, ds, cfg).rows
+                same[f"batch3-{m}-{runner}"] = [r.tokens for r in rows] == alone
         out[name] = same
     return out
 
@@ -98,7 +116,30 @@ def time_stages(device, dtype, shape: dict, sizes, repeats: int, prompt_len: int
         drafter.n_cached -= 1
         drafter.kv = (drafter.kv[0][:, :, :-1], drafter.kv[1][:, :, :-1])
     return {"runner": target.runner, "verify_ms": verify_ms, "draft_ms": statistics.median(draft),
-            "search_ms": statistics.median(search), "timing_s": round(time.perf_counter() - t0, 1)}
+            "search_ms": statistics.median(search), "timing_s": round(time.perf_counter() - t0, 1),
+            "_target": target, "_head": head, "_ngram": ng}
+
+
+def time_batches(target, head, ng, batches, new_tokens: int, prompt_len: int) -> dict:
+    """Per batch size B: a batched AR decode and a batched DART decode (theta 60) of `new_tokens` per row
+    from B random prompts of `prompt_len`..+B tokens; median ms per step of each stage (batch.generate_batch's
+    step records) and tokens/s of the decode as run."""
+    V = target.vocab_size
+    cfg = GenerationConfig(max_new_tokens=new_tokens, stop_on_eos=False)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for i, B in enumerate((batches[0],) + tuple(batches)):  # the first size twice: one warm-up run
+        prompts = [torch.randint(3, V, (prompt_len + b,), generator=g) for b in range(B)]
+        row = {}
+        for name, ds in (("ar", None), ("dart", [DartDrafter(head, ng, TreeSearchConfig()) for _ in range(B)])):
+            res = generate_batch(target, prompts, ds, cfg)
+            med = {k: round(statistics.median(s[k] for s in res.steps), 2) for k in ("propose_ms", "verify_ms", "accept_ms")}
+            row[name] = {**med, "step_ms": round(sum(med.values()), 2), "nodes_per_row": max(s["max_tree"] for s in res.steps),
+                         "decode_tokens_per_s": round(res.new_tokens / res.decode_s, 1)}
+        if i:
+            out[B] = row
+            print(json.dumps({"batch": B, **row}), flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -118,6 +159,7 @@ def main(argv=None) -> int:
     sizes = (1, 4, 16, 32, 61, 64, 96, 128) if not args.toy else (1, 4, 16, 61)
     st = time_stages(device, dtype, TOY if args.toy else QWEN3_4B, sizes, 2 if args.toy else args.repeats,
                      64 if args.toy else 512)
+    target, head, ng = st.pop("_target"), st.pop("_head"), st.pop("_ngram")
     res.update(st)
     t1 = st["verify_ms"][1]
     res["verify_ratio"] = {n: round(v / t1, 3) for n, v in st["verify_ms"].items()}
@@ -133,6 +175,14 @@ def main(argv=None) -> int:
     res["predicted_speedup_theta60"] = round(pred60, 3)
     res["predicted_best"] = {"theta": best["theta"], "speedup": round(best["expected_speedup_vs_ar"], 3),
                              "tau_profile": "linear to the paper's tau at theta 60, flat after (an assumption)"}
+    # batches (paper Tables 5-7): the stage costs per batch size and the speedup they predict at tau
+    batches = (1, 2) if args.toy else (1, 2, 4, 8, 16, 32, 64)
+    bt = time_batches(target, head, ng, batches, 3 if args.toy else 8, 64 if args.toy else 512)
+    t5 = paper.get("tables5_7_batch_humaneval_tokens_per_s", {})
+    p4 = t5.get("qwen3-4b", {})
+    paper_ratio = {b: round(d / a, 3) for b, a, d in zip(t5.get("batch", []), p4.get("base", []), p4.get("dart", []))}
+    res["batch"] = {B: {**row, "predicted_dart_over_base": round(tau * row["ar"]["step_ms"] / row["dart"]["step_ms"], 3),
+                        "paper_dart_over_base_qwen3_4b": paper_ratio.get(B)} for B, row in bt.items()}
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     ok = all(all(v.values()) for v in res["lossless_fp32"].values())
     res["ok"] = ok
