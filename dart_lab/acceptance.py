@@ -59,9 +59,11 @@ def sample_token(p: torch.Tensor, generator: torch.Generator) -> int:
     return i
 
 
-def greedy_accept(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Longest path whose tokens equal the target argmax. Returns (node path from root, bonus token)."""
-    best = logits.argmax(-1).tolist()  # (N,) one device->host copy
+def greedy_accept(tree: Tree, logits: torch.Tensor | list[int]) -> tuple[list[int], int]:
+    """Longest path whose tokens equal the target argmax. Returns (node path from root, bonus token).
+    logits: (N, V), or the argmax per node already taken (a batch takes all rows' at once: one
+    device->host copy per step instead of one per row)."""
+    best = logits if isinstance(logits, list) else logits.argmax(-1).tolist()  # (N,) one device->host copy
     tokens, children = tree.tokens.tolist(), tree.children()
     path, node = [0], 0
     while True:

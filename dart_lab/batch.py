@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .acceptance import accept
+from .acceptance import accept, greedy_accept
 from .budget import copy_cap
 from .config import GenerationConfig
 from .errors import DartLabError
@@ -41,6 +41,7 @@ class BatchOutput:
 
     logits: list[torch.Tensor]
     aux: list[torch.Tensor] | None = None
+    flat: torch.Tensor | None = None  # verify: every row's logits as one (sum N_b, V) tensor (logits are its views)
 
 
 class BatchTarget:
@@ -177,7 +178,7 @@ class BatchTarget:
         logits, aux = self._forward(ids, positions, allowed, rows, want_aux)
         self._pending = N
         return BatchOutput(list(logits.split(sizes.tolist())),
-                           [aux[b, :n] for b, n in enumerate(sizes.tolist())] if want_aux else None)
+                           [aux[b, :n] for b, n in enumerate(sizes.tolist())] if want_aux else None, flat=logits)
 
     def commit(self, paths: list[list[int]]) -> None:
         """Row b keeps the K/V of its accepted nodes `paths[b]` (root first) at [lens[b], lens[b] + k_b)."""
@@ -381,16 +382,24 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         vo = bt.verify([tr for tr, _ in trees], want_aux=want_aux)
         sync(dev)
         tc = time.perf_counter()
-        # 3. accept: each row's longest accepted path + bonus token
+        # 3. accept: each row's longest accepted path + bonus token (greedy: every row's argmax in one op and
+        # one device->host copy, then each row walks its tree)
+        offsets = [0]
+        for tr, _ in trees:
+            offsets.append(offsets[-1] + len(tr))
+        best = vo.flat.argmax(-1).tolist() if cfg.greedy and vo.flat is not None else None
         paths = []
         for i, b in enumerate(live):
-            path, bonus = accept(trees[i][0], vo.logits[i], cfg, rows[b].gen)
-            paths.append((path, bonus))
+            if best is not None:
+                paths.append(greedy_accept(trees[i][0], best[offsets[i]:offsets[i + 1]]))
+            else:
+                paths.append(accept(trees[i][0], vo.logits[i], cfg, rows[b].gen))
+        margins = _path_margins(vo, [p for p, _ in paths], offsets)
         # 4. compact each row's cache to its accepted path; hand the accepted states to its drafter
         bt.commit([p for p, _ in paths])
         still = []
         for i, b in enumerate(live):
-            emitted = _advance(rows[b], *trees[i], *paths[i], vo.logits[i], vo.aux[i] if want_aux else None)
+            emitted = _advance(rows[b], *trees[i], *paths[i], margins[i], vo.aux[i] if want_aux else None)
             if not _finished(rows[b], emitted, bt.lens[i], target, cfg):
                 still.append(i)
         sync(dev)
@@ -425,14 +434,28 @@ def _draft(rows: list, proposers: list, lens: list[int], max_context: int) -> li
     return trees
 
 
-def _advance(row: "_Row", tree: Tree, timing: dict, path: list[int], bonus: int, logits: torch.Tensor,
+def _path_margins(vo: BatchOutput, paths: list[list[int]], offsets: list[int]) -> list[list[float]]:
+    """Per row, AR's top-1 minus top-2 logit at each accepted node (the near-tie record of `_margins`),
+    taken for every row's path at once from the flat logits."""
+    if vo.flat is None:
+        return [_margins(lg[p]) for lg, p in zip(vo.logits, paths)]
+    idx = [offsets[i] + n for i, p in enumerate(paths) for n in p]
+    flat = _margins(vo.flat[torch.tensor(idx, device=vo.flat.device)])
+    out, k = [], 0
+    for p in paths:
+        out.append(flat[k:k + len(p)])
+        k += len(p)
+    return out
+
+
+def _advance(row: "_Row", tree: Tree, timing: dict, path: list[int], bonus: int, margins: list[float],
              aux: torch.Tensor | None) -> list[int]:
     """Step 4 for one row after its cache was compacted: the accepted tokens + bonus appended, the
     accepted states handed to its drafter, the step recorded. Returns the emitted tokens."""
     emitted = tree.tokens[path[1:]].tolist() + [bonus]
     row.ids.extend(emitted)
     row.new.extend(emitted)
-    row.margins.extend(_margins(logits[path]))
+    row.margins.extend(margins)
     row.drafter.observe(row.ids, aux[path] if aux is not None else None)
     row.steps.append({"accept_len": len(path) - 1, "tree_size": len(tree),
                       **({"path_ranks": tree.ranks[path[1:]].tolist()} if tree.ranks is not None else {}),

@@ -132,3 +132,24 @@ def test_batched_head_forward_equals_each_drafter_alone():
             aux = torch.randn(k, H3, generator=g)
             alone[b].observe(ids, aux)
             batched[b].observe(ids, aux)
+
+
+def test_a_greedy_batch_step_accepts_and_records_margins_as_each_row_alone():
+    """Step 3 of a greedy batch takes every row's argmax in one op over the flat logits (one copy to the
+    host per step): the same paths, bonus tokens and near-tie margins as `accept` and `_margins` per row."""
+    from dart_lab.acceptance import accept, greedy_accept
+    from dart_lab.batch import BatchOutput, _path_margins
+    from dart_lab.generate import _margins
+
+    g = torch.Generator().manual_seed(0)
+    trees = [Tree(torch.randint(0, 5, (n,), generator=g), torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g))
+                                                                             for i in range(1, n)]))
+             for n in (1, 6, 9)]
+    flat = torch.randn(16, 5, generator=g) * 3
+    vo = BatchOutput(list(flat.split([1, 6, 9])), flat=flat)
+    offsets, best = [0, 1, 7, 16], flat.argmax(-1).tolist()
+    cfg = GenerationConfig()
+    paths = [greedy_accept(tr, best[offsets[i]:offsets[i + 1]]) for i, tr in enumerate(trees)]
+    assert paths == [accept(tr, lg, cfg, None) for tr, lg in zip(trees, vo.logits)]
+    margins = _path_margins(vo, [p for p, _ in paths], offsets)
+    assert margins == [_margins(lg[p]) for lg, (p, _) in zip(vo.logits, paths)]
