@@ -387,7 +387,7 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         offsets = [0]
         for tr, _ in trees:
             offsets.append(offsets[-1] + len(tr))
-        best = vo.flat.argmax(-1).tolist() if cfg.greedy and vo.flat is not None else None
+        best = vo.flat.argmax(-1).tolist() if cfg.greedy else None
         paths = []
         for i, b in enumerate(live):
             if best is not None:
@@ -437,8 +437,6 @@ def _draft(rows: list, proposers: list, lens: list[int], max_context: int) -> li
 def _path_margins(vo: BatchOutput, paths: list[list[int]], offsets: list[int]) -> list[list[float]]:
     """Per row, AR's top-1 minus top-2 logit at each accepted node (the near-tie record of `_margins`),
     taken for every row's path at once from the flat logits."""
-    if vo.flat is None:
-        return [_margins(lg[p]) for lg, p in zip(vo.logits, paths)]
     idx = [offsets[i] + n for i, p in enumerate(paths) for n in p]
     flat = _margins(vo.flat[torch.tensor(idx, device=vo.flat.device)])
     out, k = [], 0

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -146,6 +147,22 @@ def _time_chains(target, rows: list[int], sizes, repeats: int, prefill, verify, 
     return times
 
 
+def cost_file(prefix: str, key) -> Path:
+    """A cached measurement's file: cost/<prefix><16 hex digits of the key> under the cache directory."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "cost" / f"{prefix}{digest}.json"
+
+
+def read_quiet(path: Path) -> dict | None:
+    """The cached measurement at `path` when it records a quiet machine; None (measure again) when it is
+    missing, unreadable, or was measured while other work used the cores or before loads were recorded."""
+    try:
+        d = json.loads(path.read_text())
+        return d if d["machine_load"] and not d["machine_load"]["contended"] else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def monotone(curve: dict[int, float]) -> dict[int, float]:
     """The curve made non-decreasing in N, without letting one noisy size move the others. A bigger tree
     cannot cost less, but readings are noisy both ways (a small size read above a bigger one; the widest
@@ -191,9 +208,7 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True, r
     # the long timing must fit the target's context (a small test model's may be 512 tokens)
     lens = {"short": cfg.prompt_len, "long": max(min(cfg.long_prompt_len, target.max_context - max(cfg.sizes) - 1),
                                                  cfg.prompt_len)}
-    key = hashlib.sha256(json.dumps([fp, [cfg.sizes, cfg.repeats, cfg.prompt_len, lens["long"]]],
-                                    sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "cost" / f"{key}.json"
+    path = cost_file("", [fp, [cfg.sizes, cfg.repeats, cfg.prompt_len, lens["long"]]])
     saved, count, saved_meta = None, 0, {}
     if cache and path.is_file():
         try:
@@ -342,15 +357,12 @@ def batch_cost_curve(target, batch: int, cfg: BudgetConfig = BudgetConfig(), cac
     (with its machine load and time; a file without them is measured again); non-decreasing in N (`monotone`)."""
     sizes = [n for n in cfg.sizes if n == 1 or batch * n <= cfg.batch_max_tokens]
     fp = fingerprint(target)
-    key = hashlib.sha256(json.dumps([fp, batch, sizes, cfg.refresh_repeats, cfg.prompt_len], sort_keys=True)
-                         .encode()).hexdigest()[:16]
-    path = cache_dir() / "cost" / f"batch_{key}.json"
-    if cache and path.is_file():
-        try:  # served only when it records a quiet machine; a file without its machine load is measured again
-            d = json.loads(path.read_text())
-            if d["machine_load"] and not d["machine_load"]["contended"]:
-                return monotone({int(k): float(v) for k, v in d["verify_ms"].items()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    path = cost_file("batch_", [fp, batch, sizes, cfg.refresh_repeats, cfg.prompt_len])
+    d = read_quiet(path) if cache else None  # served only when it records a quiet machine
+    if d is not None:
+        try:
+            return monotone({int(k): float(v) for k, v in d["verify_ms"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError):
             pass
     with LoadMeter() as meter:
         say(f"timing batched verifies of {batch} rows x {min(sizes)}-{max(sizes)} nodes (cached)")

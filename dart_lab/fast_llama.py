@@ -34,6 +34,7 @@ import functools
 import time
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -361,20 +362,10 @@ def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=(1, 
     return tuple(table), times
 
 
-def _half_linear(w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype, pack: bool):
-    """x -> x W^T + b in a 16-bit `dtype` (oneDNN-packed where `pack`), returned in x's dtype."""
-    if pack:
-        lin = PackedLinear(_Weights(w.to(dtype), None if b is None else b.to(dtype)))
-        return lambda x: lin(x.to(dtype)).to(x.dtype)
-    wd, bd = w.to(dtype), None if b is None else b.to(dtype)
-    return lambda x: F.linear(x.to(dtype), wd, bd).to(x.dtype)
-
-
-class _Weights:
-    """A stand-in nn.Linear (weight, bias) for PackedLinear."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight, self.bias = weight, bias
+def _bf16_linear(w: torch.Tensor, b: torch.Tensor | None):
+    """x -> x W^T + b through a oneDNN-packed bf16 copy of W (and b), returned in x's dtype."""
+    lin = PackedLinear(SimpleNamespace(weight=w.to(torch.bfloat16), bias=None if b is None else b.to(torch.bfloat16)))
+    return lambda x: lin(x.to(torch.bfloat16)).to(x.dtype)
 
 
 def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -> tuple[list, object, dict]:
@@ -392,21 +383,20 @@ def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -
     mods = [_layer_mods(l) for l in model.model.layers]
     kinds, report, layers = ("qkv", "o", "gate_up", "down"), {}, [[None] * 4 for _ in mods]
     for j, kind in enumerate(kinds):
-        paths = {"int4": [row[j] for row in layers4], dt_name(dt): [row[j] for row in layers_d]}
-        if bf16:
-            paths["bf16"] = [_half_linear(torch.cat([m.weight.detach() for m in ms[j]]),
-                                          None if ms[j][0].bias is None else torch.cat([m.bias.detach() for m in ms[j]]),
-                                          torch.bfloat16, pack=True) for ms in mods]
+        paths = {"int4": [row[j] for row in layers4], _dt_name(dt): [row[j] for row in layers_d]}
+        if bf16 and (not tables or any(n == "bf16" for _, n in tables[kind])):  # copies only where timed or taken
+            paths["bf16"] = [_bf16_linear(torch.cat([m.weight.detach() for m in ms[j]]),
+                                          None if ms[j][0].bias is None else torch.cat([m.bias.detach() for m in ms[j]]))
+                             for ms in mods]
         table, times = ((tables[kind], None) if tables else fastest_by_rows(paths, mods[0][j][0].in_features, dt))
         used = {n for _, n in table}  # paths no row count takes are dropped (their copies freed)
         for i in range(len(mods)):
             layers[i][j] = ByRows({n: paths[n][i] for n in used}, table)
         report[kind] = {"paths": layers[0][j].describe(), "ms_by_rows": times}
     head_paths = {n: [f] for n, f in head4.paths.items()}
-    head_paths[dt_name(dt)] = [head_d]
-    if bf16:
-        head_paths["bf16 packed"] = [_half_linear(model.lm_head.weight.detach(), model.lm_head.bias, torch.bfloat16,
-                                                  pack=True)]
+    head_paths[_dt_name(dt)] = [head_d]
+    if bf16 and (not tables or any(n == "bf16 packed" for _, n in tables["lm_head"])):
+        head_paths["bf16 packed"] = [_bf16_linear(model.lm_head.weight.detach(), model.lm_head.bias)]
     table, times = ((tables["lm_head"], None) if tables
                     else fastest_by_rows(head_paths, model.lm_head.in_features, dt))
     head = ByRows({n: head_paths[n][0] for _, n in table}, table)
@@ -415,24 +405,12 @@ def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -
     return [tuple(row) for row in layers], head, report
 
 
-def int4_paths_file(target) -> "Path":
-    """Where `FastTarget` caches its int4 path tables: per machine and target (`budget.fingerprint`)."""
-    import hashlib
-    import json
-
-    from .assets import cache_dir
-    from .budget import fingerprint
-
-    key = hashlib.sha256(json.dumps(fingerprint(target), sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "cost" / f"int4_paths_{key}.json"
-
-
 def _layer_mods(l) -> tuple:
     return ((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), (l.self_attn.o_proj,),
             (l.mlp.gate_proj, l.mlp.up_proj), (l.mlp.down_proj,))
 
 
-def dt_name(dt: torch.dtype) -> str:
+def _dt_name(dt: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, str(dt))
 
 
@@ -649,19 +627,17 @@ class FastTarget(Target):
     def _int4_by_rows(self) -> tuple[list, object]:
         """`int4_by_rows`, its tables cached per machine like a cost curve (`budget.fingerprint`; served only
         when measured on a quiet machine, and a contended measurement is not written)."""
-        import json
-
         from .atomic import write_json
+        from .budget import cost_file, fingerprint, read_quiet
         from .machine import LoadMeter
 
-        path, tables = int4_paths_file(self), None
-        if path.is_file():
+        path, tables = cost_file("int4_paths_", fingerprint(self)), None
+        d = read_quiet(path)
+        if d is not None:
             try:
-                d = json.loads(path.read_text())
-                if not d["machine_load"]["contended"]:
-                    tables = {k: tuple((int(r), n) for r, n in t) for k, t in d["tables"].items()}
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
+                tables = {k: tuple((int(r), n) for r, n in t) for k, t in d["tables"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError):
+                tables = None
         with torch.no_grad(), LoadMeter() as meter:
             try:
                 layers, head, report = int4_by_rows(self.model, self._int4_packed, self.projections(prefill=True),
