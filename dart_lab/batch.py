@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .acceptance import accept, greedy_accept
-from .budget import copy_cap
+from .budget import copy_cap, log_step
 from .config import GenerationConfig
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator
@@ -207,6 +207,34 @@ class BatchTarget:
                 layer.keys, layer.values = layer.keys[..., :self.end, :], layer.values[..., :self.end, :]
         self._pending = 0
 
+    @torch.no_grad()
+    def admit(self, prompts: list[torch.Tensor], want_aux: bool = False) -> BatchOutput:
+        """Add rows for `prompts` (each (T_b,)) after the running batch's rows (continuous batching: a
+        finished row's place goes to a waiting request). The new prompts are prefilled as a batch of their
+        own (`prefill`), then both caches are joined along the batch, the shorter padded with slots that
+        the masks hide (each row attends to its own [0, lens[b]) only). Returns the new rows' prefill
+        output, as `prefill` does."""
+        if not self.lens:
+            return self.prefill(prompts, want_aux)
+        old = (self.lens, self.end, self._k, self._v, self.cache)
+        out = self.prefill(prompts, want_aux)
+        lens, end = old[0] + self.lens, max(old[1], self.end)
+
+        def joined(a: torch.Tensor, b: torch.Tensor, dim: int, slots: int) -> torch.Tensor:
+            """a and b (slots along dim `slots`) padded to the same length and stacked along `dim`."""
+            n = max(a.shape[slots], b.shape[slots])
+            pad = lambda x: torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - slots) + (0, n - x.shape[slots]))  # noqa: E731
+            return torch.cat([pad(a), pad(b)], dim)
+
+        if self.fast:  # (L, B, kv, cap, hd)
+            self._k, self._v = joined(old[2], self._k, 1, 3), joined(old[3], self._v, 1, 3)
+        else:  # DynamicCache layers: (B, kv, end, hd)
+            for lo, ln in zip(old[4].layers, self.cache.layers):
+                lo.keys, lo.values = joined(lo.keys, ln.keys, 0, 2), joined(lo.values, ln.values, 0, 2)
+            self.cache = old[4]
+        self.lens, self.end = lens, end
+        return out
+
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (indices into the current batch), in that order: finished rows cost no more."""
         if rows == list(range(self.batch_size)):
@@ -232,8 +260,9 @@ class BatchTarget:
 @dataclass
 class BatchResult:
     """rows: one GenerationResult per prompt (in order; each row's prefill_s / decode_s are the batch's
-    shared wall times); wall_s: the whole batch, prefill included; steps: per batch step, the live rows,
-    the largest tree, theta and the verify ms."""
+    shared wall times); wall_s: the whole batch, prefill included (prefill_s: every prompt's, also those
+    admitted while others decoded); steps: per batch step, the live rows, the largest tree, theta and the
+    verify ms."""
 
     method: str
     rows: list[GenerationResult]
@@ -251,12 +280,17 @@ class BatchResult:
         return sum(r.new_tokens for r in self.rows)
 
     @property
+    def batch_size(self) -> int:
+        """Rows decoded at once (fewer than `rows` with continuous batching: `generate_batch(max_rows=)`)."""
+        return self.config.get("batch_size", len(self.rows))
+
+    @property
     def tokens_per_s(self) -> float:
         """All rows' new tokens over the batch's wall time."""
         return self.new_tokens / max(self.wall_s, 1e-9)
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "batch_size": len(self.rows), "new_tokens": self.new_tokens,
+        return {"method": self.method, "batch_size": self.batch_size, "requests": len(self.rows), "new_tokens": self.new_tokens,
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
                 "steps": self.steps, "config": self.config, "rows": [r.to_dict() for r in self.rows]}
 
@@ -332,38 +366,62 @@ def _batched_head_forward(proposers: list[Drafter], ids: list[list[int]]) -> tup
 
 @torch.no_grad()
 def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None = None,
-                   cfg: GenerationConfig = GenerationConfig(), policy=None, name: str | None = None) -> BatchResult:
+                   cfg: GenerationConfig = GenerationConfig(), policy=None, name: str | None = None,
+                   max_rows: int | None = None) -> BatchResult:
     """Decode `prompts` (each (T_b,) token ids) together; drafters[b] drafts for row b (None: AR for all).
 
+    max_rows: at most this many rows decode at once (continuous batching): the first max_rows prompts
+    start, and each time rows finish the next waiting prompts are prefilled into the batch
+    (`BatchTarget.admit`), so the batch stays full until the queue is empty; None: all at once.
     policy (optional): live rows -> (theta, verify curve) from the automatic budget at that batch size
     (`methods.Runner.generate_batch`); theta 0 = no tree pays: batched AR steps, or copies where they pay
     for the batch (`_copy_step`), while every drafter keeps observing, so its state (the head's cache)
-    stays whole. Steps: 1. draft, 2. verify (one forward), 3. accept, 4. compact."""
+    stays whole. Steps: 0. admit, 1. draft, 2. verify (one forward), 3. accept, 4. compact."""
     B = len(prompts)
     drafters = drafters or [Drafter() for _ in range(B)]
     if len(drafters) != B:
         raise RuntimeError(f"{len(drafters)} drafters for {B} prompts")
+    if max_rows is not None and max_rows < 1:
+        raise DartLabError(f"max_rows must be >= 1, got {max_rows}")
+    width = min(max_rows or B, B)
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
     dev = target.device
     want_aux = any(d.needs_aux for d in drafters)
     rows = [_Row(p, d, make_generator(dev, cfg.seed)) for p, d in zip(prompts, drafters)]
     bt = BatchTarget(target)
+    live: list[int] = []  # rows decoding, in the batch's row order
+    waiting = list(range(B))
+    theta = None
 
-    # 0. prefill: every prompt, one forward; each row's first new token (its first tree root)
-    sync(dev)
+    def admit() -> float:
+        """Step 0: prefill waiting prompts into the free places, each row's first new token (its first
+        tree root); rows finished by it leave at once. Returns the seconds it took."""
+        sync(dev)
+        t = time.perf_counter()
+        take = waiting[:width - len(live)]
+        del waiting[:len(take)]
+        out = bt.admit([rows[b].prompt for b in take], want_aux=want_aux)
+        for j, b in enumerate(take):
+            row = rows[b]
+            first = _first_token(out.logits[j][-1], cfg, row.gen)
+            row.ids, row.new, row.margins = row.prompt.tolist() + [first], [first], _margins(out.logits[j][-1:])
+            row.drafter.begin(target, row.ids, out.aux[j] if want_aux else None)
+            if theta:
+                row.drafter.set_budget(theta)
+        live.extend(take)
+        keep = [i for i, b in enumerate(live) if not _finished(rows[b], rows[b].new, bt.lens[i], target, cfg)]
+        bt.keep(keep)
+        live[:] = [live[i] for i in keep]
+        sync(dev)
+        return time.perf_counter() - t
+
     t0 = time.perf_counter()
-    out = bt.prefill(prompts, want_aux=want_aux)
-    for b, row in enumerate(rows):
-        first = _first_token(out.logits[b][-1], cfg, row.gen)
-        row.ids, row.new, row.margins = row.prompt.tolist() + [first], [first], _margins(out.logits[b][-1:])
-        row.drafter.begin(target, row.ids, out.aux[b] if want_aux else None)
-    live = [b for b in range(B) if not _finished(rows[b], rows[b].new, bt.lens[b], target, cfg)]
-    bt.keep(live)
-    sync(dev)
-    t1 = time.perf_counter()
-
-    batch_steps, theta = [], None
-    while live:
+    prefill_s = 0.0
+    batch_steps = []
+    while live or waiting:
+        if waiting and len(live) < width:
+            prefill_s += admit()
+            continue  # rows finished at their first token: admit again before a step
         if policy is not None:  # theta for this many live rows (re-chosen when rows finish)
             new_theta, curve = policy(len(live))
             if new_theta != theta:
@@ -407,23 +465,41 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         batch_steps.append({"rows": len(live), "max_tree": max(len(tr) for tr, _ in trees),
                             "theta": theta, "propose_ms": (tb - ta) * 1e3, "verify_ms": (tc - tb) * 1e3,
                             "accept_ms": (td - tc) * 1e3})
-        bt.keep(still)  # 5. finished rows leave the batch
-        live = [live[i] for i in still]
-    t2 = time.perf_counter()
-    results = [_row_result(row, target, cfg, name, t1 - t0, t2 - t1) for row in rows]
-    return BatchResult(method=name or drafters[0].name, rows=results, prefill_s=t1 - t0, decode_s=t2 - t1,
-                       steps=batch_steps, config={"generation": asdict(cfg), "batch_size": B,
-                                                  "runner": getattr(target, "runner", "hf")})
+        log_step(target, len(live), batch_steps[-1]["max_tree"], (tc - tb) * 1e3)  # what the budget prices
+        bt.keep(still)  # 5. finished rows leave the batch (their places go to waiting prompts at step 0)
+        live[:] = [live[i] for i in still]
+    decode_s = time.perf_counter() - t0 - prefill_s
+    results = [_row_result(row, target, cfg, name, prefill_s, decode_s) for row in rows]
+    return BatchResult(method=name or drafters[0].name, rows=results, prefill_s=prefill_s, decode_s=decode_s,
+                       steps=batch_steps, config={"generation": asdict(cfg), "batch_size": width,
+                                                  "requests": B, "runner": getattr(target, "runner", "hf")})
 
 
 def _draft(rows: list, proposers: list, lens: list[int], max_context: int) -> list[tuple[Tree, dict]]:
     """Step 1 for the live rows: each proposer's tree rooted at its row's last token (one batched head
     forward for the DART rows, its time shared out over them) and the proposer's timing."""
+    from .drafters import DartDrafter, propose_rows
+
     logits, shared_ms = _batched_head_forward(proposers, [row.ids for row in rows])
+    # DART's rows (the plain drafter; dart-ctx adds per-row candidates) search together, grouped by what
+    # their search depends on
+    groups: dict = {}
+    for i in logits:
+        p = proposers[i]
+        if type(p) is DartDrafter:
+            groups.setdefault((id(p.head), id(p.ngram), p.search, p.eos, tuple(logits[i].shape)), []).append(i)
+    searched = {}
+    for group in (g for g in groups.values() if len(g) > 1):
+        searched.update(zip(group, propose_rows([proposers[i] for i in group], [rows[i].ids for i in group],
+                                                [logits[i] for i in group])))
     trees = []
     for i, (row, proposer) in enumerate(zip(rows, proposers)):
-        proposer.last_timing = {}
-        tree = proposer.propose(row.ids, logits[i]) if i in logits else proposer.propose(row.ids)
+        if i not in searched:
+            proposer.last_timing = {}
+        if i in searched:
+            tree = searched[i]
+        else:
+            tree = proposer.propose(row.ids, logits[i]) if i in logits else proposer.propose(row.ids)
         if i in logits:
             proposer.last_timing["draft_ms"] = proposer.last_timing.get("draft_ms", 0.0) + shared_ms
         if int(tree.tokens[0]) != row.ids[-1]:

@@ -71,6 +71,10 @@ class BenchConfig:
     # requests decoded together (batch.py); 1 = one at a time (the paper's Tables 1-4), more: Tables 5-7.
     # The first size fills `methods`, every size `by_batch`
     batch_sizes: tuple = (1,)
+    # batches: False = the prompts in consecutive groups of B, each decoded until its last row finishes;
+    # True = continuous batching, B rows at once over all prompts, a finished row's place going to the next
+    # prompt (batch.generate_batch's max_rows), as a server keeps its batch full
+    continuous: bool = False
     options: MethodOptions = field(default_factory=MethodOptions)
 
     def __post_init__(self):
@@ -82,6 +86,9 @@ class BenchConfig:
             raise DartLabError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise DartLabError(f"batch sizes must be integers >= 1, got {self.batch_sizes!r}")
+        if self.continuous and any(get_method(m).hf for m in self.methods):
+            raise DartLabError("continuous batching runs dart_lab's decoders; HF generate decodes static batches "
+                               "(drop hf/hf-pld from the methods or --continuous)")
         if self.repeats < 1:
             raise DartLabError(f"repeats must be >= 1, got {self.repeats}")
         if self.repeats > 1 and self.temperature > 0:
@@ -155,7 +162,7 @@ def _batch_row(res, group: str, method: str, ar) -> dict:
     steps = [s for r in res.rows for s in r.steps]
     mean = (lambda k: statistics.fmean(s[k] for s in steps)) if steps else (lambda k: 0.0)
     by_rows = (res.config or {}).get("tree_budget_by_rows") or {}
-    row = {"prompt_id": group, "category": "batch", "method": method, "batch_size": len(res.rows),
+    row = {"prompt_id": group, "category": "batch", "method": method, "batch_size": res.batch_size,
            "new_tokens": res.new_tokens, "total_s": res.wall_s, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
            "tokens_per_s": res.tokens_per_s, "verify_steps": len(steps), "batch_steps": len(res.steps),
            "emitted": sum(s["accept_len"] + 1 for s in steps), "tau": None,
@@ -163,7 +170,7 @@ def _batch_row(res, group: str, method: str, ar) -> dict:
            "verify_ms": statistics.fmean(s["verify_ms"] for s in res.steps) if res.steps else 0.0,
            "accept_lens": [s["accept_len"] for s in steps],
            "stop_reason": ",".join(sorted({r.stop_reason for r in res.rows})),
-           "theta": by_rows[str(len(res.rows))]["theta"] if str(len(res.rows)) in by_rows else None,
+           "theta": by_rows[str(res.batch_size)]["theta"] if str(res.batch_size) in by_rows else None,
            "theta_by_live_rows": {k: v["theta"] for k, v in by_rows.items()},
            "drafted_nodes": mean("tree_size") - 1 if steps and "tree_size" in steps[0] else 0.0,
            "copy_only_steps": sum(1 for s in steps if s.get("copy_only"))}
@@ -323,7 +330,9 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
               "methods": by_batch[str(cfg.batch_sizes[0])]["methods"], "per_prompt": rows}
     if len(cfg.batch_sizes) > 1 or cfg.batch_sizes[0] > 1:
         result["by_batch"] = by_batch
-        result["aggregation"] += ("; batches: the prompts in consecutive groups of B decoded together, tokens_per_s ="
+        result["aggregation"] += ("; batches: " + ("continuous batching, B rows at once over all prompts (a finished"
+                                  " row's place to the next prompt)" if cfg.continuous else
+                                  "the prompts in consecutive groups of B decoded together") + ", tokens_per_s ="
                                   " every row's new tokens / the batch's wall time (prefill included), tau per row-step,"
                                   " verify_ms per batch step, match_ar = every row equals batched AR's row")
     ar_ms = (by_batch.get("1", {}).get("methods", {}).get("ar") or {}).get("verify_ms")
@@ -349,17 +358,17 @@ def _bench_batches(cfg: BenchConfig, B: int, prompts, target, runners, order, ro
     for _ in range(cfg.warmup):  # also times the batched verify surface of the budget (outside the timing)
         for m in order:
             runners[m].generate_batch([wids] * B, warm)
-    groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+    groups = [prompts] if cfg.continuous else [prompts[i:i + B] for i in range(0, len(prompts), B)]
     it = tqdm(groups, desc=f"bench {cfg.dataset} batch {B}", unit="batch") if progress else groups
     for g, group in enumerate(it):
-        gid = f"batch{B}:" + "+".join(str(p["id"]) for p in group)
+        gid = f"batch{B}{'c' if cfg.continuous else ''}:" + "+".join(str(p["id"]) for p in group)
         ids = [target.encode_prompt(p["prompt"]) for p in group]
         gen_cfg = cfg.generation(seed=cfg.seed + g)
         for rep in range(cfg.repeats):
             if all((gid, m, rep) in done for m in order):
                 continue
             k = (g * cfg.repeats + rep) % len(order)
-            results = {m: runners[m].generate_batch(ids, gen_cfg) for m in order[k:] + order[:k]}
+            results = {m: runners[m].generate_batch(ids, gen_cfg, max_rows=B) for m in order[k:] + order[:k]}
             ar = results["ar"] if ("ar" in results and greedy) else None
             rows = _append_rows(partial, key, rows, [dict(_batch_row(results[m], gid, m, ar), repeat=rep) for m in order])
     return rows

@@ -68,6 +68,10 @@ class BudgetConfig:
     # short answer decided it, and a pessimistic rate can send sampling to AR fallback, which then sees no drafts)
     batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64)  # live-row counts at which batched verify cost is timed (between
     # them it is interpolated); a batch times the ones up to its own size, when it first runs
+    observed_min_steps: int = 8  # decoded batched steps of one (rows, nodes) shape before their median replaces the
+    # timed surface there (`observed_curve`): the timing loop's readings of one shape wander by a third between
+    # measurements on a small VM, while hundreds of decoded steps pin it down
+    observed_memory: int = 256  # decoded steps remembered per shape (the newest: it follows the machine)
     batch_max_tokens: int = 512  # batched verify timed up to this many nodes in all (rows x nodes): wider batched
     # trees are priced by proportional growth (`interpolate`), which on a CPU already rules them out
     fallback_probe_every: int = 4  # while a runner is in AR fallback, every this many generations one decodes with
@@ -387,6 +391,28 @@ def interpolate_batch(curves: dict[int, dict[int, float]], rows: int) -> dict[in
     return {n: curves[lo][n] + f * (curves[hi][n] - curves[lo][n]) for n in ns}
 
 
+def log_step(target, rows: int, nodes: int, ms: float, memory: int = BudgetConfig.observed_memory) -> None:
+    """Record one decoded batched step (`rows` live rows, `nodes` per row after padding) on the target's
+    `step_log`, keyed also by its arithmetic and compilation (another dtype is another machine)."""
+    key = (target.precision, bool(getattr(target, "compile", False)), rows, nodes)
+    log = target.step_log.setdefault(key, [])
+    log.append(ms)
+    del log[:-memory]
+
+
+def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int = BudgetConfig.observed_min_steps
+                   ) -> dict[int, float]:
+    """The verify curve at `rows` live rows with every shape decoded at least `min_steps` times on this
+    target (any method: batched AR steps price theta 0 for the trees of the methods after it) replaced by
+    the median of what those steps took; the rest from the timed surface, then made non-decreasing
+    (`monotone`). A timing loop that read one shape high would otherwise steer every batch of that size:
+    a batch of 2 priced a one-token step at 27 ms that decoded in 19, and drafted trees that lost."""
+    kind = (target.precision, bool(getattr(target, "compile", False)), rows)
+    seen = {n: statistics.median(ms) for (*k, n), ms in target.step_log.items()
+            if tuple(k) == kind and len(ms) >= min_steps}
+    return monotone({**curve, **seen}) if seen else curve
+
+
 # ----------------------------------------------------------------------------- the controller
 @dataclass
 class Observations:
@@ -612,45 +638,29 @@ class BudgetController:
                 self.batch_costs[b] = batch_cost_curve(self.target, b, self.cfg)
         return interpolate_batch({b: self.batch_costs[b] for b in {lo, hi}}, rows)
 
-    @torch.no_grad()
     def head_batch_ms(self, rows: int, repeats: int = 5) -> dict[int, float] | None:
         """{1: ms, rows: ms} of one DART head forward for a single row and for `rows` rows together
-        (`drafters.draft_logits_batch`; two new positions per row after 128 cached, the full masks), timed
-        here once per size; None for drafters without a batched head forward (EAGLE-3, pld, ...)."""
-        from .drafters import DartDrafter, draft_logits_batch
+        (`head_forward_ms`), timed here once per size; None for drafters without a batched head forward
+        (EAGLE-3, pld, ...)."""
+        from .drafters import DartDrafter
 
         if not isinstance(self.drafter, DartDrafter) or self.new_drafter is None:
             return None
         for n in {1, rows} - set(self.head_ms):
-            ds = [self.new_drafter() for _ in range(n)]
-            g = torch.Generator().manual_seed(0)
-            H3, dev = 3 * self.target.hidden_size, self.target.device
-            for d in ds:
-                d.begin(self.target, torch.randint(3, 1000, (129,), generator=g).tolist(),
-                        torch.randn(128, H3, generator=g).to(dev, self.target.dtype))
-            times = []
-            for r in range(repeats + 1):  # round 0 feeds the 128-token prefix and warms up
-                sync(dev)
-                t0 = time.perf_counter()
-                draft_logits_batch(ds) if n > 1 else ds[0].draft_logits()
-                sync(dev)
-                if r:
-                    times.append((time.perf_counter() - t0) * 1e3)
-                for d in ds:
-                    d.observe([5, 6], torch.randn(2, H3, generator=g).to(dev, self.target.dtype))
-            self.head_ms[n] = statistics.median(times)
+            self.head_ms[n] = head_forward_ms(self.new_drafter, self.target, n, repeats)
         return self.head_ms
 
-    def batch_policy(self, prompts, sampled: bool, max_new_tokens: int, drafters):
+    def batch_policy(self, prompts, sampled: bool, max_new_tokens: int, drafters, max_rows: int | None = None):
         """live rows -> (theta, verify curve): tau(theta) per row from the calibration, the step priced by
         the batched surface at that many rows (grown to the batch's mean context as the batch-1 curve
-        grows) plus every row's drafting + search, each row's tokens counted:
+        grows; where batched steps of a shape were decoded on this target, what they took: `observed_curve`)
+        plus every row's drafting + search, each row's tokens counted:
             expected speed(theta) = rows * tau(theta) / (t(rows, theta + 1) + rows * t_draft(theta)).
         Re-chosen whenever rows finish; theta 0 = batched AR steps. `policy.chosen`: rows -> the choice."""
         if sampled and self.budget_sampled is None:
             self.choose(sampled=True)
         tau = (self.budget_sampled if sampled else self.budget)["tau_by_theta"]
-        for rows in range(1, len(prompts) + 1):  # time the surface now, not inside the timed decode
+        for rows in range(1, min(max_rows or len(prompts), len(prompts)) + 1):  # timed now, not inside the decode
             self.batch_curve(rows)
             self.head_batch_ms(rows)
         context = statistics.fmean(len(p) for p in prompts) + max_new_tokens // 2
@@ -660,6 +670,7 @@ class BudgetController:
         def policy(rows: int):
             if rows not in policy.chosen:
                 curve = {n: ms * interpolate(grow, n) for n, ms in self.batch_curve(rows).items()}
+                curve = observed_curve(self.target, rows, curve, self.cfg.observed_min_steps)
                 head = self.head_batch_ms(rows)
                 if head is None:  # every row drafts on its own
                     over = lambda th: rows * self.overhead_ms(th)  # noqa: E731
@@ -674,6 +685,31 @@ class BudgetController:
 
         policy.chosen = {}
         return policy
+
+
+@torch.no_grad()
+def head_forward_ms(new_drafter, target, rows: int = 1, repeats: int = 5) -> float:
+    """Median ms of one DART head forward (`drafters.draft_logits_batch` for several rows, `draft_logits`
+    for one) of drafters made by `new_drafter()`: two new positions per row after 128 cached, the full
+    masks; round 0 feeds the 128-token prefix and warms up."""
+    from .drafters import draft_logits_batch
+
+    ds = [new_drafter() for _ in range(rows)]
+    g = torch.Generator().manual_seed(0)
+    H3, dev, dt = 3 * target.hidden_size, target.device, ds[0].head.fc.weight.dtype
+    for d in ds:
+        d.begin(target, torch.randint(3, 1000, (129,), generator=g).tolist(), torch.randn(128, H3, generator=g).to(dev, dt))
+    times = []
+    for r in range(repeats + 1):
+        sync(dev)
+        t0 = time.perf_counter()
+        draft_logits_batch(ds) if rows > 1 else ds[0].draft_logits()
+        sync(dev)
+        if r:
+            times.append((time.perf_counter() - t0) * 1e3)
+        for d in ds:
+            d.observe([5, 6], torch.randn(2, H3, generator=g).to(dev, dt))
+    return statistics.median(times)
 
 
 def weights_digest(drafter) -> str:

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch decoded together")
     g.add_argument("--prompts-file", default="", help="one prompt per line, all decoded together (with --prompt's)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--max-rows", type=int, default=0, help="several prompts: at most this many decode at once, the "
+                   "others join as rows finish (continuous batching; 0 = all at once)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     _add_generation_args(g)
     b = sub.add_parser("bench", help="benchmark methods on a dataset (one JSON)")
@@ -83,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="T=0: run each prompt this many times per method, count the fastest (a noisy host)")
     b.add_argument("--batch-size", default="1", help="comma list of batch sizes, e.g. 1,2,4,8,16: prompts decoded "
                    "together (the paper's Tables 5-7); the first fills the table, every size the JSON's by_batch")
+    b.add_argument("--continuous", action="store_true", help="batches: B rows at once over all the prompts, a "
+                   "finished row's place going to the next prompt (continuous batching), instead of groups of B")
     b.add_argument("--out", required=True, help="output JSON file")
     b.add_argument("--no-progress", action="store_true")
     _add_generation_args(b)
@@ -184,14 +188,16 @@ def cmd_generate(args) -> int:
     prompts = _prompts(args)
     cfg = from_fields(GenerationConfig, args)
     get_method(args.method)  # a bad name is refused before the target loads (and times its dtype)
+    if args.max_rows < 0:
+        raise DartLabError(f"--max-rows must be >= 0, got {args.max_rows}")
     target = load_target(args.target, device=args.device, dtype=args.dtype, compile=args.compile)
     runner = make_runner(args.method, target, _options(args))
     ids = [target.encode_prompt(p, chat=not args.no_chat_template) for p in prompts]
     if len(ids) > 1:
-        res = runner.generate_batch(ids, cfg)
+        res = runner.generate_batch(ids, cfg, max_rows=args.max_rows or None)
         if args.json:
             print(json.dumps({"texts": [r.text for r in res.rows], "new_tokens": [r.new_tokens for r in res.rows],
-                              "tokens_per_s": round(res.tokens_per_s, 3), "batch_size": len(ids),
+                              "tokens_per_s": round(res.tokens_per_s, 3), "batch_size": res.batch_size,
                               "prefill_s": res.prefill_s, "decode_s": res.decode_s,
                               "stop_reasons": [r.stop_reason for r in res.rows], "method": res.method,
                               "target": args.target, "dtype": target.precision, "device": str(target.device),
@@ -226,7 +232,7 @@ def cmd_bench(args) -> int:
                       num_prompts=args.num_prompts, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                       top_p=g.top_p, top_k=g.top_k, seed=g.seed, warmup=args.warmup, repeats=args.repeats, model=args.target,
                       device=args.device, dtype=args.dtype, compile=args.compile, options=_options(args),
-                      batch_sizes=_batch_sizes(args.batch_size))
+                      batch_sizes=_batch_sizes(args.batch_size), continuous=args.continuous)
     res = run_bench(cfg, args.out, progress=not args.no_progress)
     print(format_table(res))
     for B, block in res.get("by_batch", {}).items():

@@ -19,7 +19,7 @@ import torch
 from .errors import DartLabError
 from .fast_llama import PackedProjection, pack_linears
 from .generate import Drafter
-from .search import TreeSearchConfig, topk_levels, tree_search
+from .search import TreeSearchConfig, topk_levels, tree_search, tree_search_batch
 from .target import Target, sync
 from .tree import Tree, best_closed_tree
 
@@ -118,7 +118,25 @@ class DartDrafter(HeadDrafter):
 
     def config(self) -> dict:
         return {"name": self.name, "search": dataclasses.asdict(self.search), "head": dataclasses.asdict(self.head.cfg),
+                "head_dtype": getattr(self.head, "chosen_dtype", {"dtype": str(self.head.fc.weight.dtype)}),
                 "ngram": getattr(self.ngram, "meta", None)}
+
+
+def propose_rows(drafters: list[DartDrafter], ids: list[list[int]], logits: list[torch.Tensor]) -> list[Tree]:
+    """`DartDrafter.propose` for the rows of a batch step whose head logits came from one batched forward
+    (`draft_logits_batch`): one top-k over the stacked logits (one device->host copy, not one per row) and
+    one `search.tree_search_batch`. Row i's tree is `drafters[i].propose(ids[i], logits[i])`'s; the
+    drafters share one head, n-gram and search config (`batch._draft` groups them so). Each drafter's
+    `last_timing` carries its share of the time."""
+    d0 = drafters[0]
+    t0 = time.perf_counter()
+    logp, toks = topk_levels(torch.stack(logits), d0.search.topk, d0.vocab_map)
+    t1 = time.perf_counter()
+    trees = tree_search_batch(logp, toks, ids, d0.ngram, d0.search, d0.eos)
+    t2 = time.perf_counter()
+    for d in drafters:
+        d.last_timing = {"draft_ms": (t1 - t0) * 1e3 / len(drafters), "search_ms": (t2 - t1) * 1e3 / len(drafters)}
+    return trees
 
 
 def copy_match(ids: list[int], max_ngram: int, length: int, periodic: bool = False) -> tuple[list[int], int]:

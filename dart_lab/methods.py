@@ -49,6 +49,9 @@ class MethodOptions:
     pld_max_ngram: int = _opt(3, "pld: longest suffix matched")
     pld_num_pred: int = _opt(10, "pld: tokens copied")
     draft_length: int = _opt(0, "DART masks per forward (0 = the head's own)")
+    head_dtype: str = _opt("auto", "a loaded DART head's arithmetic: auto (on a CPU that packs bf16, the head's "
+                                   "draft forward timed in the target's dtype and in bf16, the faster kept; "
+                                   "random heads keep the target's) | target")
     tree_nodes: str = _opt("auto", "drafted tree nodes, root excluded: auto (chosen from this machine's measured "
                                    "verify cost and the head's acceptance, see budget.py) | paper (DART 60, "
                                    "EAGLE-3 59, the released defaults) | a number")
@@ -95,10 +98,43 @@ def load_ngram_for(target, spec: str, max_tokens: int = 0):
 
 def _dart_head(target, opts: MethodOptions, cache: dict):
     if "dart_head" not in cache:
-        cache["dart_head"] = load_head(target, "dart", opts.dart_head, opts.random_heads)
+        if opts.head_dtype not in ("auto", "target"):
+            raise DartLabError(f"--head-dtype must be auto or target, got {opts.head_dtype!r}")
+        head = load_head(target, "dart", opts.dart_head, opts.random_heads)
+        loaded = bool(opts.dart_head) or shipped_head(target, "dart") is not None
+        cache["dart_head"] = fastest_head_dtype(target, head) if opts.head_dtype == "auto" and loaded else head
     head = cache["dart_head"]
     if opts.draft_length:
         head.cfg = dataclasses.replace(head.cfg, draft_length=opts.draft_length)
+    return head
+
+
+def fastest_head_dtype(target, head, min_gain: float = 1.1, repeats: int = 7):
+    """The DART head in the arithmetic its draft forward runs fastest in here: on a CPU that packs bf16
+    (oneDNN: AVX-512 or AMX), an fp32 head (an fp32 or int4 target) is timed as it drafts
+    (`budget.head_forward_ms`) in fp32 and in bf16, interleaved, and kept in bf16 when that is `min_gain`
+    x faster. A draft step's head forward is a small-M matmul chain whose fp32 weights (the 8k-row LM
+    head most) stream from memory every step; bf16 halves that. What the head drafts moves only speed:
+    the target verifies every token (lossless either way). Elsewhere, or slower: the head unchanged,
+    its weights exact. `head.chosen_dtype` records the choice and both timings."""
+    from .budget import head_forward_ms
+    from .fast_llama import can_pack
+
+    w = head.fc.weight
+    if w.dtype != torch.float32 or not can_pack(w.device, torch.bfloat16):
+        return head
+    exact = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    times = {torch.float32: [], torch.bfloat16: []}
+    for _ in range(2):  # interleaved: a drifting host moves both alike
+        for dt in times:
+            head.to(dt)
+            times[dt].append(head_forward_ms(lambda: DartDrafter(head, None), target, 1, repeats))
+    fp32, bf16 = min(times[torch.float32]), min(times[torch.bfloat16])
+    keep = torch.bfloat16 if fp32 >= min_gain * bf16 else torch.float32
+    head.to(keep)
+    if keep == torch.float32:
+        head.load_state_dict(exact)
+    head.chosen_dtype = {"dtype": str(keep), "draft_forward_ms": {"float32": round(fp32, 3), "bfloat16": round(bf16, 3)}}
     return head
 
 
@@ -214,11 +250,15 @@ class Runner:
         return res
 
     # -- batches (batch.py): one drafter per row, theta per live-row count
-    def generate_batch(self, prompts, cfg: GenerationConfig = GenerationConfig()) -> BatchResult:
-        """Decode `prompts` together (`batch.generate_batch`); row 0 drafts with this runner's drafter,
-        the others with drafters of the same method (`new_drafter`), kept for later batches. With the
-        automatic budget, theta is chosen for the batch's live rows (`BudgetController.batch_policy`)."""
+    def generate_batch(self, prompts, cfg: GenerationConfig = GenerationConfig(), max_rows: int | None = None
+                       ) -> BatchResult:
+        """Decode `prompts` together (`batch.generate_batch`; max_rows: at most that many at once, the
+        others admitted as rows finish); row 0 drafts with this runner's drafter, the others with drafters
+        of the same method (`new_drafter`), kept for later batches. With the automatic budget, theta is
+        chosen for the batch's live rows (`BudgetController.batch_policy`)."""
         if self.hf:
+            if max_rows and max_rows < len(prompts):
+                raise DartLabError("HF generate decodes a static batch: no max_rows")
             return hf_generate_batch(self.target, prompts, cfg, self.hf_lookup, name=self.name)
         if self.outside is not None:
             raise DartLabError(f"{self.name} decodes one request at a time")
@@ -229,8 +269,8 @@ class Runner:
             drafters = [self.drafter] + self._row_drafters[:len(prompts) - 1]
         policy = None
         if self.controller is not None:
-            policy = self.controller.batch_policy(prompts, not cfg.greedy, cfg.max_new_tokens, drafters)
-        res = generate_batch(self.target, prompts, drafters, cfg, policy, name=self.name)
+            policy = self.controller.batch_policy(prompts, not cfg.greedy, cfg.max_new_tokens, drafters, max_rows)
+        res = generate_batch(self.target, prompts, drafters, cfg, policy, name=self.name, max_rows=max_rows)
         if policy is not None:
             res.config["tree_budget_by_rows"] = {str(r): {k: ch[k] for k in ("theta", "expected_speedup_vs_ar",
                                                                             "fallback_to_ar")}

@@ -122,9 +122,15 @@ def _merge_paths(tok, par, score, lvl, extra_paths):
             np.concatenate([score, np.asarray(add_score, np.float32)]), np.concatenate([lvl, np.asarray(add_lvl, np.int64)]))
 
 
-def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=(), prune=True):
-    D = logp.shape[0] if not cfg.max_depth else min(cfg.max_depth, logp.shape[0])
+def _depth_and_beam(cfg: TreeSearchConfig, levels: int, prune: bool = True) -> tuple[int, int]:
+    """Levels searched and beam width, for a drafter that gives `levels` levels (see `_search`)."""
+    D = levels if not cfg.max_depth else min(cfg.max_depth, levels)
     D = min(D, max(cfg.max_nodes, 1))  # exact: a node at depth d needs d - 1 kept ancestors
+    return D, min(cfg.beam_width, max(cfg.max_nodes, 1)) if prune else cfg.beam_width
+
+
+def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=(), prune=True):
+    D, beam_width = _depth_and_beam(cfg, logp.shape[0], prune)
     # Exact for a tree of N = max_nodes < beam_width nodes: a beam of N gives the same tree. A kept node
     # with a kept child outranks that child, so fewer than N candidates of its level rank above it:
     # it is within the first N of its level's beam. A node ranked N or lower in its level's beam is
@@ -132,7 +138,6 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
     # released.) Small CPU trees search 2.5x fewer n-gram lookups; `prune=False` is the reference.
     # With extra paths (which only raise scores or add nodes) the same holds, except that an exact
     # float tie between a path node and a head candidate may break the other way.
-    beam_width = min(cfg.beam_width, max(cfg.max_nodes, 1)) if prune else cfg.beam_width
     K = tokens.shape[1]
     f32 = np.float32
     logp = np.asarray(logp, dtype=f32)
@@ -189,3 +194,70 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
         return tree
     return SearchNodes(tree, cat([[0.0], logp[lvl[chosen], col[chosen]]]), cat([[np.nan], cat(c_ng)[chosen]]),
                        cat([[-1], lvl[chosen]]))
+
+
+def tree_search_batch(logp: np.ndarray, tokens: np.ndarray, contexts: list[list[int]], ngram, cfg: TreeSearchConfig,
+                      eos_ids=frozenset()) -> list[Tree]:
+    """`tree_search` for R rows at once (a batch's step, batch.py): logp, tokens (R, D, K) as `topk_levels`
+    gives them for stacked logits; contexts: each row's committed ids, its root last. Row r's tree is
+    `tree_search(logp[r], tokens[r], contexts[r], ...)` exactly (tests/test_search.py): the same float32
+    scores in the same order, the same beam and final cuts; but each level's n-gram lookups and beam cut
+    run for every row's beam together, so a step of R rows costs one pass per level, not R (the search
+    per row in Python dominated a GPU step at 64 rows: the H200 results in reproduce/results/).
+
+    Beam entries of all rows sit in one array, grouped by row in beam order, so a row's block of a level
+    (its beam x K candidates) is contiguous and candidate index j within it is the per-row search's j."""
+    R = logp.shape[0]
+    D, beam_width = _depth_and_beam(cfg, logp.shape[1])  # the pruned beam, exact as in `_search`
+    K = tokens.shape[2]
+    f32 = np.float32
+    logp = np.asarray(logp, dtype=f32)
+    eos = np.array(sorted(eos_ids), dtype=np.int64)
+    use_ng = ngram is not None and cfg.w_ngram != 0.0
+    w_ng, eps = f32(cfg.w_ngram), f32(cfg.eps)
+    eos_tok = np.isin(tokens[:, :D], eos) if eos.size else np.zeros((R, D, K), bool)  # (R, D, K)
+    # the current beam of every row: row, candidate id within the row (-1 = root), score, last two tokens
+    b_row = np.arange(R)
+    b_idx = np.full(R, -1, np.int64)
+    b_score = np.zeros(R, f32)
+    b_ctx = np.array([[c[-2] if len(c) >= 2 else -1, c[-1]] for c in contexts], dtype=np.int64).reshape(R, 2)
+    n_cand = np.zeros(R, np.int64)  # candidates each row holds so far
+    blocks = []  # per level: (row, parent, score, level, top-k rank) of every candidate, flat
+    for lvl in range(D):
+        if b_row.size == 0:
+            break
+        w_level, w_logit = f32((lvl + 1) ** -cfg.level_exponent), f32(cfg.logit_decay ** lvl)
+        tok_l = tokens[b_row, lvl]  # (E, K): each entry's row's candidates at this level
+        inc = logp[b_row, lvl] * w_logit
+        if use_ng and (lvl > 0 or cfg.ngram_at_level0):
+            p_ng = ngram.prob(b_ctx, tok_l).astype(f32)
+            inc = inc + np.log(p_ng + eps) * w_ng
+        score = (b_score[:, None] + w_level * inc).ravel()  # (E*K,) float32
+        row = np.repeat(b_row, K)
+        # j: the candidate's index within its row's block (entries of a row are contiguous, in beam order)
+        first = np.searchsorted(b_row, b_row)  # each entry's row's first entry
+        j = ((np.arange(b_row.size) - first)[:, None] * K + np.arange(K)).ravel()
+        blocks.append((row, np.repeat(b_idx, K), score, np.full(score.size, lvl), j % K))
+        # next beam per row: non-EOS first, then score desc, then j (the per-row search's stable order)
+        is_eos = eos_tok[row, lvl, j % K]
+        order = np.lexsort((j, -score, is_eos, row))
+        srow = row[order]
+        rank = np.arange(order.size) - np.searchsorted(srow, srow)
+        order = order[(rank < beam_width) & ~is_eos[order]]  # EOS paths are finished: never expanded
+        parent_entry = order // K
+        b_idx = n_cand[row[order]] + j[order]
+        b_ctx = np.stack([b_ctx[parent_entry, 1], tok_l.ravel()[order]], axis=1)
+        b_row, b_score = row[order], score[order]
+        n_cand += np.bincount(row, minlength=R)
+    if not blocks:
+        return [Tree.single(c[-1]) for c in contexts]
+    row, par, score, lvl, col = (np.concatenate(x) for x in zip(*blocks))
+    by_row = np.argsort(row, kind="stable")  # each row's candidates in level order, as the per-row list
+    bounds = np.searchsorted(row[by_row], np.arange(R + 1))
+    trees = []
+    for r in range(R):
+        sel = by_row[bounds[r]:bounds[r + 1]]
+        tree, _ = best_closed_tree(contexts[r][-1], tokens[r, lvl[sel], col[sel]], par[sel], score[sel], lvl[sel],
+                                   cfg.max_nodes)
+        trees.append(tree)
+    return trees

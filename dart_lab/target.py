@@ -80,6 +80,9 @@ class Target:
         self._pending = 0  # tree nodes appended by the last verify, awaiting commit
         self._prefilled = False
         self.runner = "hf"  # the public-forward runner (fast_llama.FastTarget is the lean one)
+        # verify ms of the batched steps decoded on this target, by (arithmetic, compiled, rows, nodes per
+        # row): what the machine did while decoding, read by the batch budget (budget.observed_curve)
+        self.step_log: dict = {}
 
     @property
     def device(self) -> torch.device:

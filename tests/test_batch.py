@@ -49,6 +49,14 @@ def test_every_row_equals_batch1_ar(arch, runner):
         assert [r.tokens for r in res.rows] == want, ("oracle", B)
         assert [r.stop_reason for r in res.rows] == [a.stop_reason for a in ar[:B]]
     assert max(s["rows"] for s in res.steps) == 8 and min(s["rows"] for s in res.steps) < 8  # finished rows leave
+    # continuous batching: at most 3 rows at once over all 8 prompts, waiting prompts admitted as rows finish
+    for name, ds in (("ar", None), ("random", [RandomDrafter(target.vocab_size, seed=b) for b in range(8)])):
+        res = generate_batch(target, prompts, ds, cfg, max_rows=3)
+        assert [r.tokens for r in res.rows] == [a.tokens for a in ar], (name, "max_rows=3")
+        assert [r.stop_reason for r in res.rows] == [a.stop_reason for a in ar]
+        assert max(s["rows"] for s in res.steps) == 3 and res.batch_size == 3
+        live = [s["rows"] for s in res.steps]  # full while prompts wait, then the last rows drain
+        assert live[0] == 3 and live == sorted(live, reverse=True)
 
 
 @pytest.mark.parametrize("runner", ["hf", "fast"])
@@ -61,6 +69,9 @@ def test_every_method_batched_equals_batch1_ar(runner):
         drafters = [all_drafters(target)[name] for _ in prompts]
         res = generate_batch(target, prompts, drafters, cfg)
         assert [r.tokens for r in res.rows] == [a.tokens for a in ar], name
+        drafters = [all_drafters(target)[name] for _ in prompts]  # two rows at once, the third joins later
+        res = generate_batch(target, prompts, drafters, cfg, max_rows=2)
+        assert [r.tokens for r in res.rows] == [a.tokens for a in ar], (name, "max_rows=2")
 
 
 def test_batched_verify_logits_equal_each_row_alone():
@@ -132,6 +143,37 @@ def test_batched_head_forward_equals_each_drafter_alone():
             aux = torch.randn(k, H3, generator=g)
             alone[b].observe(ids, aux)
             batched[b].observe(ids, aux)
+
+
+def test_dart_rows_searched_together_draft_each_rows_own_tree(monkeypatch):
+    """A batch step's DART rows search in one `tree_search_batch` (`drafters.propose_rows`, grouped in
+    `batch._draft`): every row gets the tree its drafter's own `propose` gives on the same logits, and a
+    batched decode goes through it (and stays lossless)."""
+    from dart_lab.drafters import DartDrafter, propose_rows
+    from dart_lab.methods import random_head
+    from dart_lab.ngram import NGram
+
+    target = tiny_target("llama", runner="fast")
+    head = random_head(target, "dart")
+    g = torch.Generator().manual_seed(5)
+    ng = NGram.from_sequences([torch.randint(2, 60, (40,), generator=g).tolist() for _ in range(20)], target.vocab_size)
+    ds = [DartDrafter(head, ng) for _ in range(4)]
+    for d in ds:
+        d.set_budget(12)
+        d.eos = frozenset({3})
+    ids = [torch.randint(2, 60, (n,), generator=g).tolist() for n in (1, 4, 7, 3)]
+    logits = [torch.randn(head.cfg.n_masks + 1, head.cfg.draft_vocab_size, generator=g) for _ in ds]
+    for got, d, i, lg in zip(propose_rows(ds, ids, logits), ds, ids, logits):
+        want = d.propose(i, lg)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+    calls = []
+    monkeypatch.setattr("dart_lab.drafters.propose_rows", lambda *a: calls.append(len(a[0])) or propose_rows(*a))
+    prompts = prompts_for(target)[:3]
+    cfg = GenerationConfig(max_new_tokens=6, stop_on_eos=False)
+    rows = [DartDrafter(head, ng) for _ in prompts]
+    res = generate_batch(target, prompts, rows, cfg)
+    assert calls and max(calls) == len(prompts)
+    assert [r.tokens for r in res.rows] == [generate(target, p, None, cfg).tokens for p in prompts]
 
 
 def test_a_greedy_batch_step_accepts_and_records_margins_as_each_row_alone():

@@ -341,6 +341,45 @@ def test_batch_theta_is_chosen_per_live_rows_from_the_batched_surface(monkeypatc
     assert {s["theta"] for s in res.steps} == {0}
 
 
+def test_a_batch_prices_what_its_shapes_took_when_decoded_not_the_timing_loop(monkeypatch):
+    """The timing loop read a one-token step of 2 rows as dear as a tree (trees pay there); once batched
+    steps of that shape were decoded on the target (any method: AR's batches come first in a bench) and
+    took a tenth of it, a batch of 2 prices them by what they took and steps without trees. Fewer decoded
+    steps than `observed_min_steps`, or steps of another arithmetic, leave the surface as timed."""
+    from dart_lab import GenerationConfig, generate
+    from dart_lab.budget import interpolate_batch, log_step
+
+    target = tiny_target("llama", runner="fast")
+    r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
+    r.controller.observed.greedy = [(63, [0])] * 20  # tau(theta >= 1) = 2
+    r.controller.choose()
+    surface = {B: {n: 10.0 * B + 0.01 * n for n in (1, 2, 4, 8, 16)} for B in (1, 2, 4)}  # flat in N: trees pay
+    monkeypatch.setattr(BudgetController, "batch_curve", lambda self, rows: interpolate_batch(surface, rows))
+    monkeypatch.setattr(BudgetController, "head_batch_ms", lambda self, rows: {1: 0.0, rows: 0.0})
+    monkeypatch.setattr(BudgetController, "overhead_ms", lambda self, th: 0.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, target.vocab_size, (n,), generator=g) for n in (5, 9)]
+    cfg = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    min_steps = BudgetConfig().observed_min_steps
+
+    def theta_at_2(steps: int, precision: str | None = None):
+        """theta at 2 rows after `steps` decoded one-token steps of 2 rows, 2 ms each (in `precision`)."""
+        target.step_log.clear()
+        for _ in range(steps):
+            if precision is None:
+                log_step(target, 2, 1, 2.0)
+            else:
+                target.step_log.setdefault((precision, False, 2, 1), []).append(2.0)
+        res = r.generate_batch(prompts, cfg)
+        assert [x.tokens for x in res.rows] == [generate(target, p, None, cfg).tokens for p in prompts]
+        return res.config["tree_budget_by_rows"]["2"]["theta"]
+
+    assert theta_at_2(0) >= 1
+    assert theta_at_2(min_steps - 1) >= 1  # too few steps: the timed surface stands
+    assert theta_at_2(min_steps, precision="torch.bfloat16") >= 1  # another arithmetic's steps
+    assert theta_at_2(min_steps) == 0
+
+
 def test_a_curve_measured_under_load_is_used_but_never_cached(tmp_path, monkeypatch):
     """A busy process beside the measurement: the curve serves that call only (marked contended) and no
     file is written; measured again on a quiet machine it is cached, with its machine load and age."""

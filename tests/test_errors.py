@@ -23,6 +23,7 @@ def run_cli(*args, timeout=300):
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--method", "nope"], "unknown method"),
     (["--prompt", "hi", "--model", "no-such-model"], "unknown model"),
+    (["--prompt", "hi", "--prompt", "ho", "--max-rows", "-1"], "--max-rows"),
 ])
 def test_cli_bad_input_is_one_line(args, needle):
     r = run_cli("generate", *args)
@@ -57,6 +58,12 @@ def test_library_errors():
     for bad in (dict(max_new_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=-1)):
         with pytest.raises(DartLabError):
             GenerationConfig(**bad)
+    from dart_lab.batch import generate_batch
+    from dart_lab.bench import BenchConfig
+    with pytest.raises(DartLabError, match="max_rows"):
+        generate_batch(target, [torch.tensor([3, 4])], max_rows=0)
+    with pytest.raises(DartLabError, match="static batches"):
+        BenchConfig(methods=("ar", "hf"), continuous=True)
 
 
 def test_missing_embedded_package_names_it(monkeypatch):

@@ -188,3 +188,24 @@ def test_missed_beam_candidate_can_be_a_leaf():
     paths = tree_paths(tree_search(logp, toks, [1, 2], None, cfg))
     assert (5, 11) in paths  # a candidate of level 1 that was not the beam survivor
     assert (5, 10, 12) in paths
+
+
+@given(st.integers(0, 10_000), st.sampled_from([0.0, 0.5]), st.sampled_from([1, 3, 8, 20, 60]))
+@settings(max_examples=30, deadline=None)
+def test_a_batch_of_rows_searches_each_row_as_alone(seed, w_ng, max_nodes):
+    """`tree_search_batch` gives every row the tree `tree_search` gives it alone, node for node: rows with
+    other contexts (short ones too), many equal scores (quantised logits) and EOS candidates."""
+    from dart_lab.search import tree_search_batch
+
+    ng, _ = make_ngram(seed % 5)
+    g = torch.Generator().manual_seed(seed)
+    R = 1 + seed % 6
+    logits = torch.randint(0, 4, (R, 6, V), generator=g).float() + torch.rand(R, 6, V, generator=g) * (seed % 2)
+    logp, toks = topk_levels(logits, 25)
+    contexts = [torch.randint(0, V, (1 + (seed + r) % 5,), generator=g).tolist() for r in range(R)]
+    cfg = TreeSearchConfig(topk=25, beam_width=20, max_nodes=max_nodes, w_ngram=w_ng)
+    eos = frozenset({0, 3})
+    for r, tree in enumerate(tree_search_batch(logp, toks, contexts, ng, cfg, eos)):
+        alone = tree_search(logp[r], toks[r], contexts[r], ng, cfg, eos)
+        assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents), r
+        assert torch.equal(tree.scores, alone.scores) and torch.equal(tree.ranks, alone.ranks), r
