@@ -402,15 +402,20 @@ def log_step(target, rows: int, nodes: int, ms: float, memory: int = BudgetConfi
 
 def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int = BudgetConfig.observed_min_steps
                    ) -> dict[int, float]:
-    """The verify curve at `rows` live rows with every shape decoded at least `min_steps` times on this
-    target (any method: batched AR steps price theta 0 for the trees of the methods after it) replaced by
-    the median of what those steps took; the rest from the timed surface, then made non-decreasing
-    (`monotone`). A timing loop that read one shape high would otherwise steer every batch of that size:
-    a batch of 2 priced a one-token step at 27 ms that decoded in 19, and drafted trees that lost."""
+    """The verify curve at `rows` live rows checked against the batched steps of that many rows decoded on
+    this target (any method: batched AR's steps price the trees of the methods after it). A shape decoded
+    at least `min_steps` times takes the median of what its steps took; every other size is scaled by the
+    median ratio of decoded to timed over those shapes, so the curve keeps one level (a decoded one-token
+    step beside timed trees of another moment would misprice every tree); then non-decreasing
+    (`monotone`). A timing loop that read one shape high steered a whole batch size: 2 rows priced a
+    one-token step at 27 ms that decoded in 19, drafted trees, and lost."""
     kind = (target.precision, bool(getattr(target, "compile", False)), rows)
     seen = {n: statistics.median(ms) for (*k, n), ms in target.step_log.items()
             if tuple(k) == kind and len(ms) >= min_steps}
-    return monotone({**curve, **seen}) if seen else curve
+    if not seen:
+        return curve
+    scale = statistics.median(ms / interpolate(curve, n) for n, ms in seen.items())
+    return monotone({**{n: ms * scale for n, ms in curve.items()}, **seen})
 
 
 # ----------------------------------------------------------------------------- the controller

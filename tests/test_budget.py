@@ -342,9 +342,10 @@ def test_batch_theta_is_chosen_per_live_rows_from_the_batched_surface(monkeypatc
 
 
 def test_a_batch_prices_what_its_shapes_took_when_decoded_not_the_timing_loop(monkeypatch):
-    """The timing loop read a one-token step of 2 rows as dear as a tree (trees pay there); once batched
-    steps of that shape were decoded on the target (any method: AR's batches come first in a bench) and
-    took a tenth of it, a batch of 2 prices them by what they took and steps without trees. Fewer decoded
+    """The timing loop read trees of 2 rows as cheap as a token (trees pay there). Once batched steps of
+    2 rows were decoded on the target (any method) -- one-token steps of 20 ms, 4-node steps of 200 ms --
+    a batch of 2 prices those shapes by what they took and decodes without trees. Decoded one-token steps
+    alone set the curve's level, not its shape (every size scaled alike: trees still pay). Fewer decoded
     steps than `observed_min_steps`, or steps of another arithmetic, leave the surface as timed."""
     from dart_lab import GenerationConfig, generate
     from dart_lab.budget import interpolate_batch, log_step
@@ -360,24 +361,27 @@ def test_a_batch_prices_what_its_shapes_took_when_decoded_not_the_timing_loop(mo
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, target.vocab_size, (n,), generator=g) for n in (5, 9)]
     cfg = GenerationConfig(max_new_tokens=12, stop_on_eos=False)
-    min_steps = BudgetConfig().observed_min_steps
+    k = BudgetConfig().observed_min_steps
 
-    def theta_at_2(steps: int, precision: str | None = None):
-        """theta at 2 rows after `steps` decoded one-token steps of 2 rows, 2 ms each (in `precision`)."""
+    def theta_at_2(decoded: dict, precision: str | None = None):
+        """theta at 2 rows after decoded steps of 2 rows: {nodes: (ms, how many)}."""
         target.step_log.clear()
-        for _ in range(steps):
-            if precision is None:
-                log_step(target, 2, 1, 2.0)
-            else:
-                target.step_log.setdefault((precision, False, 2, 1), []).append(2.0)
+        for nodes, (ms, count) in decoded.items():
+            for _ in range(count):
+                if precision is None:
+                    log_step(target, 2, nodes, ms)
+                else:
+                    target.step_log.setdefault((precision, False, 2, nodes), []).append(ms)
         res = r.generate_batch(prompts, cfg)
         assert [x.tokens for x in res.rows] == [generate(target, p, None, cfg).tokens for p in prompts]
         return res.config["tree_budget_by_rows"]["2"]["theta"]
 
-    assert theta_at_2(0) >= 1
-    assert theta_at_2(min_steps - 1) >= 1  # too few steps: the timed surface stands
-    assert theta_at_2(min_steps, precision="torch.bfloat16") >= 1  # another arithmetic's steps
-    assert theta_at_2(min_steps) == 0
+    dear_trees = {1: (20.0, k), 4: (200.0, k)}
+    assert theta_at_2({}) >= 1
+    assert theta_at_2(dear_trees) == 0
+    assert theta_at_2({1: (2.0, k)}) >= 1  # the level alone
+    assert theta_at_2({1: (20.0, k), 4: (200.0, k - 1)}) >= 1  # too few tree steps: the timed shape stands
+    assert theta_at_2(dear_trees, precision="torch.bfloat16") >= 1  # another arithmetic's steps
 
 
 def test_a_curve_measured_under_load_is_used_but_never_cached(tmp_path, monkeypatch):
