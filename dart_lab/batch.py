@@ -4,7 +4,10 @@
 Each step every live row drafts its own tree (its own drafter: DART's head and search, EAGLE-3's
 tree, a copy, or the root alone), the trees are verified in ONE forward of B x N_max nodes (rows padded
 to the step's largest tree), each row accepts its own path and compacts its own cache, and a row that
-finished leaves the batch (its cache rows are dropped, so it costs no more work).
+finished leaves the batch (its cache rows are dropped, so it costs no more work). With `max_rows`
+(continuous batching, as a server runs) a waiting request takes the finished row's place: prefilled on
+its own, its cache joined to the batch's (`BatchTarget.admit`), so the batch stays full until the queue
+is empty.
 
 Cache layout, shared by both runners (`BatchTarget`): row b holds `lens[b]` committed tokens in slots
 [0, lens[b]); every step appends the nodes of all rows at the same slots [end, end + N_max) with
