@@ -43,21 +43,20 @@ class HeadDrafter(Drafter):
         self.eos = target.eos_ids
         self.kv = None
         self.n_cached = 0
-        self.pending = None
+        self.pending = []
         self.observe(ids, aux)
 
     def observe(self, ids, aux):
         """Queue the accepted positions' aux (n, 3H) and the token after each position for the next head
-        forward; positions a step did not feed (a drafter may skip the head) stay queued in order."""
-        nxt = ids[-aux.shape[0]:]
-        if self.pending is not None:
-            aux, nxt = torch.cat([self.pending[0], aux]), list(self.pending[1]) + list(nxt)
-        self.pending = (aux, nxt)
+        forward; positions a step did not feed (a drafter may skip the head: a batch without trees) stay
+        queued in order, as chunks joined once when fed (not re-copied every step)."""
+        self.pending.append((aux, list(ids[-aux.shape[0]:])))
 
     def feed_inputs(self, extra_positions: int = 0):
         """The pending prefix as head inputs: aux (1, n, 3H) in the head's dtype, next ids (1, n),
         positions (n + extra_positions,) continuing the head's cache."""
-        aux, nxt = self.pending
+        aux = self.pending[0][0] if len(self.pending) == 1 else torch.cat([a for a, _ in self.pending])
+        nxt = [t for _, ids in self.pending for t in ids]
         dev = aux.device
         n = aux.shape[0]
         positions = torch.arange(self.n_cached, self.n_cached + n + extra_positions, device=dev)
@@ -67,7 +66,7 @@ class HeadDrafter(Drafter):
         """Append the fed prefix positions' (k, v) to the head's cache for good."""
         self.kv = kv if self.kv is None else (torch.cat([self.kv[0], kv[0]], -2), torch.cat([self.kv[1], kv[1]], -2))
         self.n_cached += kv[0].shape[-2]
-        self.pending = None
+        self.pending = []
 
 
 class DartDrafter(HeadDrafter):

@@ -238,9 +238,10 @@ def tree_search_batch(logp: np.ndarray, tokens: np.ndarray, contexts: list[list[
         first = np.searchsorted(b_row, b_row)  # each entry's row's first entry
         j = ((np.arange(b_row.size) - first)[:, None] * K + np.arange(K)).ravel()
         blocks.append((row, np.repeat(b_idx, K), score, np.full(score.size, lvl), j % K))
-        # next beam per row: non-EOS first, then score desc, then j (the per-row search's stable order)
+        # next beam per row: non-EOS first, then score desc, then j (the per-row search's stable order; a
+        # row's candidates lie in j order, so the stable sort keeps it without a key of its own)
         is_eos = eos_tok[row, lvl, j % K]
-        order = np.lexsort((j, -score, is_eos, row))
+        order = np.lexsort((-score, 2 * row + is_eos))
         srow = row[order]
         rank = np.arange(order.size) - np.searchsorted(srow, srow)
         order = order[(rank < beam_width) & ~is_eos[order]]  # EOS paths are finished: never expanded
