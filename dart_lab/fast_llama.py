@@ -767,6 +767,27 @@ class FastTarget(Target):
             self.compile_seconds += time.perf_counter() - t0
         return TargetOutput(logits[:N], aux[:N] if want_aux else None)
 
+    @torch.no_grad()
+    def precompile(self, context: int) -> int:
+        """Compile now every (node bucket, key bucket) shape a decode within `context` tokens can meet
+        (`compile=True`; else nothing), so that timed decodes do not compile: one verify of a chain of each
+        bucket's size after a prompt that puts it in each key bucket. Returns the shapes compiled now."""
+        if not self.compile:
+            return 0
+        before = set(self.compiled_shapes)
+        g = torch.Generator().manual_seed(0)
+        V = min(self.vocab_size, 1000)
+        kb, cap = self.key_bucket, min(self.compile_capacity, self.max_context)
+        for nk in range(kb, min(-(-context // kb) * kb, cap) + 1, kb):
+            for nb in self.node_buckets:
+                P = nk - nb  # P + nb cached slots: the last of key bucket nk
+                if P < 1 or (nb, nk) in before:
+                    continue
+                self.prefill(torch.randint(3, V, (P,), generator=g))  # P committed; the chain's root is new
+                self.verify(Tree(torch.randint(3, V, (nb,), generator=g), torch.arange(-1, nb - 1)))
+                self.commit([0])
+        return len(self.compiled_shapes - before)
+
     def _graph(self) -> "StepGraph":
         """The compiled step for the model's current weights (rebuilt, and recompiled, when they change)."""
         key = (self._weights_key(), self.weights)

@@ -120,6 +120,14 @@ def test_compiled_steps_equal_eager_and_compile_once_per_shape():
         generate(target, prompt, d, cfg)
     assert target.compiled_shapes == shapes and counters["stats"]["unique_graphs"] == warm
     assert target.compile_seconds > 0
+    # precompile (what a bench runs before timing): every shape a decode within the context can meet
+    target.node_buckets = (1, 4, 32)
+    every = {(nb, nk) for nb in (1, 4, 32) for nk in (64, 128)}
+    assert target.precompile(128) == len(every - shapes) and target.compiled_shapes == every
+    warm = counters["stats"]["unique_graphs"]
+    for name, d in drafters.items():
+        assert generate(target, prompt, d, cfg).tokens == ar.tokens, name
+    assert counters["stats"]["unique_graphs"] == warm  # nothing compiled while decoding
 
 
 def _as_4bit_grids(model, group: int = 32, seed: int = 0) -> None:
