@@ -155,14 +155,16 @@ def _row(res, prompt, method, ar):
     return row
 
 
-def _batch_row(res, group: str, method: str, ar) -> dict:
-    """One bench row for a batch of prompts decoded together (`Runner.generate_batch`): tokens of every
-    row over the batch's wall time; step figures per row-step (tau, drafting) or per batch step (verify);
-    match_ar per row against batched AR on the same prompts."""
+def _batch_row(res, group: str, method: str, ar, batch_size: int) -> dict:
+    """One bench row for a batch of prompts decoded together (`Runner.generate_batch`) in the run at
+    `batch_size` (a last group with fewer prompts counts there too; `rows_at_once` says how many decoded
+    together): tokens of every row over the batch's wall time; step figures per row-step (tau, drafting) or
+    per batch step (verify); match_ar per row against batched AR on the same prompts."""
     steps = [s for r in res.rows for s in r.steps]
     mean = (lambda k: statistics.fmean(s[k] for s in steps)) if steps else (lambda k: 0.0)
     by_rows = (res.config or {}).get("tree_budget_by_rows") or {}
-    row = {"prompt_id": group, "category": "batch", "method": method, "batch_size": res.batch_size,
+    row = {"prompt_id": group, "category": "batch", "method": method, "batch_size": batch_size,
+           "rows_at_once": res.batch_size,
            "new_tokens": res.new_tokens, "total_s": res.wall_s, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
            "tokens_per_s": res.tokens_per_s, "verify_steps": len(steps), "batch_steps": len(res.steps),
            "emitted": sum(s["accept_len"] + 1 for s in steps), "tau": None,
@@ -374,7 +376,7 @@ def _bench_batches(cfg: BenchConfig, B: int, prompts, target, runners, order, ro
             k = (g * cfg.repeats + rep) % len(order)
             results = {m: runners[m].generate_batch(ids, gen_cfg, max_rows=B) for m in order[k:] + order[:k]}
             ar = results["ar"] if ("ar" in results and greedy) else None
-            rows = _append_rows(partial, key, rows, [dict(_batch_row(results[m], gid, m, ar), repeat=rep) for m in order])
+            rows = _append_rows(partial, key, rows, [dict(_batch_row(results[m], gid, m, ar, B), repeat=rep) for m in order])
     return rows
 
 

@@ -1,4 +1,5 @@
 """Bench: JSON schema, resume after interruption, bad input."""
+import dataclasses
 import json
 import random
 import subprocess
@@ -153,9 +154,17 @@ def test_bench_batch_sizes_keep_methods_and_add_by_batch(embedded, tmp_path):
             assert set(res["by_batch"]["1"]["methods"][m]) == set(res["by_batch"][B]["methods"][m]), (B, m)
         assert res["by_batch"][B]["methods"]["dart"]["match_ar"] == 1.0
     batched = [r for r in res["per_prompt"] if r.get("batch_size")]
-    assert sorted(r["batch_size"] for r in batched if r["method"] == "ar") == [1, 2]  # 3 prompts: groups of 2 and 1
-    assert all(len(r["match_ar_rows"]) == r["batch_size"] and all(r["match_ar_rows"]) for r in batched
+    # 3 prompts: groups of 2 and 1, both counted in the batch-2 run
+    assert sorted(r["rows_at_once"] for r in batched if r["method"] == "ar") == [1, 2]
+    assert {r["batch_size"] for r in batched} == {2}
+    assert all(len(r["match_ar_rows"]) == r["rows_at_once"] and all(r["match_ar_rows"]) for r in batched
                if r["method"] == "dart")
+    # continuous batching: 2 rows at once over all 3 prompts, one decode per method
+    cont = run_bench(dataclasses.replace(cfg, methods=("ar", "dart"), batch_sizes=(2,), continuous=True),
+                     tmp_path / "c.json", target=embedded, progress=False)
+    rows = [r for r in cont["per_prompt"] if r["method"] == "dart"]
+    assert len(rows) == 1 and rows[0]["rows_at_once"] == 2 and rows[0]["match_ar_rows"] == [True] * 3
+    assert "continuous batching" in cont["aggregation"]
     with pytest.raises(DartLabError, match="batch sizes"):
         BenchConfig(batch_sizes=(0,))
     assert BenchConfig().key() == BenchConfig(batch_sizes=(1,)).key() != BenchConfig(batch_sizes=(1, 2)).key()
