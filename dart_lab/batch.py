@@ -497,11 +497,10 @@ def _draft(rows: list, proposers: list, lens: list[int], max_context: int) -> li
                                                 [logits[i] for i in group])))
     trees = []
     for i, (row, proposer) in enumerate(zip(rows, proposers)):
-        if i not in searched:
-            proposer.last_timing = {}
-        if i in searched:
+        if i in searched:  # its tree and timing already made by `propose_rows`
             tree = searched[i]
         else:
+            proposer.last_timing = {}
             tree = proposer.propose(row.ids, logits[i]) if i in logits else proposer.propose(row.ids)
         if i in logits:
             proposer.last_timing["draft_ms"] = proposer.last_timing.get("draft_ms", 0.0) + shared_ms

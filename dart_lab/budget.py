@@ -391,11 +391,16 @@ def interpolate_batch(curves: dict[int, dict[int, float]], rows: int) -> dict[in
     return {n: curves[lo][n] + f * (curves[hi][n] - curves[lo][n]) for n in ns}
 
 
+def _step_kind(target, rows: int) -> tuple:
+    """`step_log`'s key for steps of `rows` rows without the nodes: the arithmetic and compilation too
+    (another dtype is another machine)."""
+    return (target.precision, bool(getattr(target, "compile", False)), rows)
+
+
 def log_step(target, rows: int, nodes: int, ms: float, memory: int = BudgetConfig.observed_memory) -> None:
     """Record one decoded batched step (`rows` live rows, `nodes` per row after padding) on the target's
-    `step_log`, keyed also by its arithmetic and compilation (another dtype is another machine)."""
-    key = (target.precision, bool(getattr(target, "compile", False)), rows, nodes)
-    log = target.step_log.setdefault(key, [])
+    `step_log`."""
+    log = target.step_log.setdefault(_step_kind(target, rows) + (nodes,), [])
     log.append(ms)
     del log[:-memory]
 
@@ -409,7 +414,7 @@ def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int = 
     step beside timed trees of another moment would misprice every tree); then non-decreasing
     (`monotone`). A timing loop that read one shape high steered a whole batch size: 2 rows priced a
     one-token step at 27 ms that decoded in 19, drafted trees, and lost."""
-    kind = (target.precision, bool(getattr(target, "compile", False)), rows)
+    kind = _step_kind(target, rows)
     seen = {n: statistics.median(ms) for (*k, n), ms in target.step_log.items()
             if tuple(k) == kind and len(ms) >= min_steps}
     if not seen:

@@ -129,6 +129,14 @@ def _depth_and_beam(cfg: TreeSearchConfig, levels: int, prune: bool = True) -> t
     return D, min(cfg.beam_width, max(cfg.max_nodes, 1)) if prune else cfg.beam_width
 
 
+def _scoring(cfg: TreeSearchConfig, logp, ngram, eos_ids) -> tuple:
+    """What the score arithmetic reads, as the released code has it: logp in float32, the EOS ids, whether
+    the n-gram term applies, its weight and eps in float32."""
+    f32 = np.float32
+    return (np.asarray(logp, dtype=f32), np.array(sorted(eos_ids), dtype=np.int64),
+            ngram is not None and cfg.w_ngram != 0.0, f32(cfg.w_ngram), f32(cfg.eps))
+
+
 def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=(), prune=True):
     D, beam_width = _depth_and_beam(cfg, logp.shape[0], prune)
     # Exact for a tree of N = max_nodes < beam_width nodes: a beam of N gives the same tree. A kept node
@@ -140,10 +148,7 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
     # float tie between a path node and a head candidate may break the other way.
     K = tokens.shape[1]
     f32 = np.float32
-    logp = np.asarray(logp, dtype=f32)
-    eos = np.array(sorted(eos_ids), dtype=np.int64)
-    use_ng = ngram is not None and cfg.w_ngram != 0.0
-    w_ng, eps = f32(cfg.w_ngram), f32(cfg.eps)
+    logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
     last2 = np.array([context[-2] if len(context) >= 2 else -1, context[-1]], dtype=np.int64)
 
     # the global candidate list, one block of B*K per level (candidate j of a level block = beam
@@ -211,10 +216,7 @@ def tree_search_batch(logp: np.ndarray, tokens: np.ndarray, contexts: list[list[
     D, beam_width = _depth_and_beam(cfg, logp.shape[1])  # the pruned beam, exact as in `_search`
     K = tokens.shape[2]
     f32 = np.float32
-    logp = np.asarray(logp, dtype=f32)
-    eos = np.array(sorted(eos_ids), dtype=np.int64)
-    use_ng = ngram is not None and cfg.w_ngram != 0.0
-    w_ng, eps = f32(cfg.w_ngram), f32(cfg.eps)
+    logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
     eos_tok = np.isin(tokens[:, :D], eos) if eos.size else np.zeros((R, D, K), bool)  # (R, D, K)
     # the current beam of every row: row, candidate id within the row (-1 = root), score, last two tokens
     b_row = np.arange(R)
