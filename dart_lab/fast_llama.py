@@ -331,7 +331,7 @@ def _time_path(name: str, fn, x: torch.Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=(1, 2, 4, 8, 16, 32, 64),
+def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=(1, 2, 4, 8, 16, 32, 64, 256),
                     rounds: int = 5) -> tuple[tuple, dict]:
     """paths: name -> the callables of that path, one per layer (or one). Time each path at each row count
     as one sweep through all its callables -- every layer's weights read from memory, as a step reads
@@ -545,7 +545,7 @@ class FastTarget(Target):
     runner_revision = 3
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count)
-    int4_revision = 3
+    int4_revision = 4
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`); "4bit" = 4 bits at every width (one arithmetic for
     # AR and trees; compiled steps always)
@@ -640,11 +640,11 @@ class FastTarget(Target):
                 tables = None
         with torch.no_grad(), LoadMeter() as meter:
             try:
-                layers, head, report = int4_by_rows(self.model, self._int4_packed, self.projections(prefill=True),
+                layers, head, report = int4_by_rows(self.model, self._int4_packed, self._dense(),
                                                     tables)
             except KeyError:  # a cached table names a path this build lacks: measure again
                 tables = None
-                layers, head, report = int4_by_rows(self.model, self._int4_packed, self.projections(prefill=True))
+                layers, head, report = int4_by_rows(self.model, self._int4_packed, self._dense())
         if tables is None and not meter.load["contended"]:
             write_json(path, {"tables": report["tables"], "ms_by_rows": {k: v["ms_by_rows"] for k, v in report.items()
                                                                           if k != "tables"},
@@ -687,14 +687,19 @@ class FastTarget(Target):
 
     # -- forward
     def projections(self, prefill: bool = False) -> tuple[list, object]:
-        """Per layer (qkv, o, gate_up, down) callables and the LM head for an eager forward: 4-bit
-        (`Int4Linear`) for decoding steps when `weights` is "int4" (every verify, any tree size, so AR and
-        speculation run one arithmetic: greedy outputs part only at near-ties); a prompt (prefill) always
-        through the dense weights, since the 4-bit CPU kernel's cost grows about linearly in rows and a
-        prompt is many rows. Else oneDNN-packed where that applies, else the HF modules' own weights through
-        F.linear (q|k|v, gate|up side by side)."""
-        if self.weights == "int4" and not prefill:
+        """Per layer (qkv, o, gate_up, down) callables and the LM head for an eager forward. When `weights`
+        is "int4": with `int4_paths` "measured", every forward (a prompt too) takes each linear's path
+        measured fastest for its row count (`int4_by_rows`: a prompt's hundreds of rows go where a wide
+        tree goes, bf16 copies on a CPU with bf16 units, ~2x fp32's speed on a prompt); with "4bit", decoding
+        steps in 4 bits at every width (one arithmetic) and a prompt through the dense weights, since the
+        4-bit CPU kernel's cost grows about linearly in rows. Else `_dense`."""
+        if self.weights == "int4" and (not prefill or self.int4_paths == "measured"):
             return self._int4()
+        return self._dense()
+
+    def _dense(self) -> tuple[list, object]:
+        """The model's own weights in its dtype: oneDNN-packed where that applies, else the HF modules'
+        weights through F.linear (q|k|v, gate|up side by side)."""
         packs = self._packs()
         if packs:
             return packs

@@ -245,11 +245,20 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
     assert all(p.table == ((1, "int4"), (8, "fp32")) for row in layers for p in row)
     assert head.table == ((1, "fp16"), (8, "fp32")) and head.path(5) == "fp16" and head.path(64) == "fp32"
     assert measured.dtype_report["int4"]["by_rows"]["qkv"]["paths"] == "int4 (1-7 rows), fp32 (8+ rows)"
-    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2])
     one = Tree(torch.tensor([7]), torch.tensor([-1]))
     chain = Tree(torch.arange(20, 28), torch.arange(-1, 7))
-    for t in (dense, four, measured):  # prompts run dense in every mode
-        t.prefill(prompt)
+    # a prompt takes the path of its row count too (9 rows: fp32 here), "4bit" prompts always dense
+    pre = [t.prefill(prompt).logits for t in (dense, four, measured)]
+    torch.testing.assert_close(pre[2], pre[0], atol=0, rtol=0)
+    torch.testing.assert_close(pre[1], pre[0], atol=0, rtol=0)
+    path, taken = fast_llama.ByRows.path, []
+    with monkeypatch.context() as m:
+        m.setattr(fast_llama.ByRows, "path", lambda self, r: taken.append(path(self, r)) or taken[-1])
+        for p, want in ((prompt[:5], {"int4", "fp16"}), (prompt, {"fp32"})):
+            taken.clear()
+            measured.prefill(p)
+            assert set(taken) == want
     torch.testing.assert_close(measured.verify(chain).logits, dense.verify(chain).logits, atol=1e-5, rtol=1e-5)
     for t in (four, measured):
         t.prefill(prompt)
