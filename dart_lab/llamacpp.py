@@ -60,6 +60,9 @@ class LlamaCpp:
         stop = self.target.eos_ids if cfg.stop_on_eos else frozenset()
         new, t0 = [], time.perf_counter()
         t1 = t0
+        # llama-cpp-python keeps the KV of the longest prefix shared with its previous call (reset=True
+        # included): forgotten here, so every prompt is prefilled from scratch, as our runners do
+        self.llm.reset()
         # top_k=1: the argmax, whatever the other sampling settings; no repetition penalty (plain greedy)
         for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             if not new:

@@ -181,3 +181,45 @@ def test_bench_skips_an_outside_engine_that_is_not_installed(embedded, tmp_path,
     assert set(res["methods"]) == {"ar"} and "llama-cpp-python" in res["skipped"]["llamacpp"]
     with pytest.raises(DartLabError, match="llama-cpp-python"):
         make_runner("llamacpp", embedded)
+
+
+def test_the_outside_engine_prefills_every_prompt_from_scratch(embedded, monkeypatch):
+    """llama-cpp-python keeps the KV of the prefix a prompt shares with the previous call (even with
+    `reset=True`), so a repeated prompt, or one sharing the chat template's opening, would skip prefill
+    work our runners do: the anchor forgets it before each prompt. A stand-in `Llama` with that reuse counts
+    the prompt tokens each call evaluates."""
+    import sys
+    import types
+    from dart_lab.config import GenerationConfig
+    from dart_lab.llamacpp import LlamaCpp
+
+    class PrefixKeepingLlama:
+        def __init__(self, model_path, **kw):
+            self.n_tokens, self.input_ids, self.evaluated = 0, [], []
+
+        def n_vocab(self):
+            return embedded.vocab_size
+
+        def reset(self):
+            self.n_tokens = 0
+
+        def generate(self, tokens, reset=True, **kw):
+            keep = 0
+            if self.n_tokens:
+                for a, b in zip(self.input_ids, tokens):
+                    if a != b:
+                        break
+                    keep += 1
+            self.evaluated.append(len(tokens) - keep)
+            self.input_ids, self.n_tokens = list(tokens), len(tokens)
+            while True:
+                yield 7
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=PrefixKeepingLlama))
+    lc = LlamaCpp(embedded)
+    prompt = embedded.encode_prompt("Write a function that adds two numbers.")
+    other = embedded.encode_prompt("Write a function that reverses a list.")
+    cfg = GenerationConfig(max_new_tokens=3, stop_on_eos=False)
+    for p in (prompt, prompt, other):
+        assert len(lc.generate(p, cfg).tokens) == 3
+    assert lc.llm.evaluated == [len(prompt), len(prompt), len(other)]
