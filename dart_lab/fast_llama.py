@@ -515,7 +515,14 @@ class StepGraph(torch.nn.Module):
         """(logits (Nb, V), aux (Nb, 3H)) for a padded step; Nb = ids.numel()."""
         shape = (ids.numel(), n_keys)
         if shape in self.shapes:
-            return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
+            # a shape this module already compiled: dynamo checks only the guards that tell its cached graphs
+            # apart (a full check of every guard cost ~0.7 ms a step on a 2-core CPU, ~7 % of a 4-bit step).
+            # Safe here because nothing else a guard watches changes between calls: the caches are allocated
+            # once at `compile_capacity`, the weights are frozen into this module's graphs and a weight
+            # change builds a new module (`FastTarget._graph`), whose first call of each shape compiles with
+            # every guard checked (tests/test_fast_runner.py)
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
         self.shapes.add(shape)
         # freezing is read while compiling (passed through torch.compile's `options` it did not reach the
         # compiler: the linears stayed aten::mm, unpacked), so it is set around the call that compiles
