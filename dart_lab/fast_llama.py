@@ -30,6 +30,7 @@ tests/test_fast_runner.py checks logits, aux states and compaction against it on
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import warnings
@@ -476,6 +477,15 @@ def _fused_linear(*mods: torch.nn.Linear) -> torch.nn.Linear:
     return out
 
 
+def _skipping_guards():
+    """A context in which dynamo checks only the guards that tell a function's cached graphs apart
+    (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), where this torch has it; else nothing."""
+    try:
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    except (AttributeError, TypeError):
+        return contextlib.nullcontext()
+
+
 class StepGraph(torch.nn.Module):
     """`decoder_step` for `torch.compile` (FastTarget.compile): q|k|v and gate|up as fused nn.Linear
     copies, compiled with inductor's freezing (the weights become constants; on a CPU inductor packs
@@ -521,7 +531,7 @@ class StepGraph(torch.nn.Module):
             # once at `compile_capacity`, the weights are frozen into this module's graphs and a weight
             # change builds a new module (`FastTarget._graph`), whose first call of each shape compiles with
             # every guard checked (tests/test_fast_runner.py)
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            with _skipping_guards():
                 return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
         self.shapes.add(shape)
         # freezing is read while compiling (passed through torch.compile's `options` it did not reach the
