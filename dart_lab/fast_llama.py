@@ -526,7 +526,7 @@ class StepGraph(torch.nn.Module):
         shape = (ids.numel(), n_keys)
         if shape in self.shapes:
             # a shape this module already compiled: dynamo checks only the guards that tell its cached graphs
-            # apart (a full check of every guard cost ~0.7 ms a step on a 2-core CPU, ~7 % of a 4-bit step).
+            # apart (checking every guard is a visible share of a small compiled step: docs/speed.md).
             # Safe here because nothing else a guard watches changes between calls: the caches are allocated
             # once at `compile_capacity`, the weights are frozen into this module's graphs and a weight
             # change builds a new module (`FastTarget._graph`), whose first call of each shape compiles with
@@ -707,7 +707,7 @@ class FastTarget(Target):
         """Per layer (qkv, o, gate_up, down) callables and the LM head for an eager forward. When `weights`
         is "int4": with `int4_paths` "measured", every forward (a prompt too) takes each linear's path
         measured fastest for its row count (`int4_by_rows`: a prompt's hundreds of rows go where a wide
-        tree goes, bf16 copies on a CPU with bf16 units, ~2x fp32's speed on a prompt); with "4bit", decoding
+        tree goes: bf16 copies on a CPU with bf16 units, faster than fp32 there); with "4bit", decoding
         steps in 4 bits at every width (one arithmetic) and a prompt through the dense weights, since the
         4-bit CPU kernel's cost grows about linearly in rows. Else `_dense`."""
         if self.weights == "int4" and (not prefill or self.int4_paths == "measured"):
