@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 import warnings
 from dataclasses import dataclass
@@ -477,13 +478,16 @@ def _fused_linear(*mods: torch.nn.Linear) -> torch.nn.Linear:
     return out
 
 
+# whether this torch can check only the guards that tell a function's cached graphs apart (2.7+); asked
+# once, not at every step
+_CAN_SKIP_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(
+    getattr(torch.compiler, "set_stance", lambda: None)).parameters
+
+
 def _skipping_guards():
     """A context in which dynamo checks only the guards that tell a function's cached graphs apart
     (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), where this torch has it; else nothing."""
-    try:
-        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-    except (AttributeError, TypeError):
-        return contextlib.nullcontext()
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=True) if _CAN_SKIP_GUARDS else contextlib.nullcontext()
 
 
 class StepGraph(torch.nn.Module):
