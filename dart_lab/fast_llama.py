@@ -496,6 +496,8 @@ class StepGraph(torch.nn.Module):
     them for oneDNN, as PackedLinear does eagerly) and static shapes: one graph per (node bucket, key
     bucket), compiled on first use. `shapes` lists the ones seen (tests count real compilations)."""
 
+    graphs_allowed = 0  # dynamo's recompile limit, summed over the modules built in this process
+
     def __init__(self, target: "FastTarget", key) -> None:
         super().__init__()
         layers = target.model.model.layers
@@ -504,16 +506,57 @@ class StepGraph(torch.nn.Module):
                                        for l in layers)
         self.gate_up = torch.nn.ModuleList(_fused_linear(l.mlp.gate_proj, l.mlp.up_proj) for l in layers)
         self.geometry, self.key, self.shapes = target._geometry(), key, set()
-        # 4-bit weights: the int4 kernel's calls stay as they are in the graph, the ops between them fuse
-        # (4 bits at every width: the dense paths' oneDNN calls are left out of the graph)
-        self.int4 = target._int4(by_rows=False) if target.weights == "int4" else None
+        # 4-bit weights: the int4 kernel's calls stay as they are in the graph, the ops between them fuse;
+        # with `int4_paths` "measured" each linear takes the path its table measured fastest for the
+        # bucket's rows, as an eager step does (`_measured_paths`), else 4 bits at every width
+        self.int4 = None
+        if target.weights == "int4":
+            self.int4 = (self._measured_paths(target) if target.int4_paths == "measured"
+                         else target._int4(by_rows=False))
         self.eval()
         # kept out of the module registry (a compiled module holding itself would loop in .modules())
         object.__setattr__(self, "_compiled", torch.compile(self, dynamic=False, fullgraph=True))
-        # one graph per shape: allow as many as the buckets can make without falling back to eager
-        need = len(target.node_buckets) * (target.compile_capacity // target.key_bucket + 1)
+        # one graph per shape: allow as many as the buckets can make without falling back to eager, for this
+        # module and every one built before it in this process (their graphs share dynamo's code objects)
+        StepGraph.graphs_allowed += len(target.node_buckets) * (target.compile_capacity // target.key_bucket + 1)
+        need = StepGraph.graphs_allowed
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * need)
+
+    def _measured_paths(self, target: "FastTarget") -> tuple[list, "ByRows"]:
+        """The 4-bit target's (layers, head) for a graph: every linear a `ByRows` over the tables `int4_by_rows`
+        measured (cached per machine), its paths written so inductor can compile them -- the 4-bit kernel
+        as is, the dense weights as the fused nn.Linear copies, bf16 as nn.Linear copies that freezing packs
+        for oneDNN (what `PackedLinear` does eagerly). A wide tree's LM head, for one, is 2-3x cheaper in
+        packed bf16 than in 4-bit halves on a CPU with bf16 units (docs/speed.md)."""
+        layers4, head4 = target._int4(by_rows=False)
+        target._int4(by_rows=True)  # the tables: measured once per machine, then read from the cache
+        tables = target.dtype_report["int4"]["by_rows"]["tables"]
+        dense_name = _dt_name(target.model.lm_head.weight.dtype)
+        self.bf16 = torch.nn.ModuleList()  # bf16 copies, only of what some row count takes
+
+        def bf16(lin: torch.nn.Linear):
+            copy = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                   dtype=torch.bfloat16, device=lin.weight.device)
+            copy.requires_grad_(False)
+            copy.weight.copy_(lin.weight.detach())
+            if lin.bias is not None:
+                copy.bias.copy_(lin.bias.detach())
+            self.bf16.append(copy)
+            return lambda x: copy(x.to(torch.bfloat16)).to(x.dtype)
+
+        def by_rows(table, paths: dict, bf16_name: str, dense: torch.nn.Linear) -> ByRows:
+            used = {n for _, n in table}
+            return ByRows({n: bf16(dense) if n == bf16_name else paths[n] for n in used}, tuple(table))
+
+        layers = []
+        for i, l in enumerate(target.model.model.layers):
+            dense = (self.qkv[i], l.self_attn.o_proj, self.gate_up[i], l.mlp.down_proj)
+            layers.append(tuple(by_rows(tables[kind], {"int4": layers4[i][j], dense_name: dense[j]}, "bf16", dense[j])
+                                for j, kind in enumerate(("qkv", "o", "gate_up", "down"))))
+        head = by_rows(tables["lm_head"], {**head4.paths, dense_name: target.model.lm_head}, "bf16 packed",
+                       target.model.lm_head)
+        return layers, head
 
     def forward(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int):
         if self.int4 is not None:
@@ -565,11 +608,12 @@ class FastTarget(Target):
     # writes by index_copy_)
     runner_revision = 3
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
-    # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count)
-    int4_revision = 4
+    # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
+    # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too)
+    int4_revision = 5
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
-    # the dense weights, bf16 copies: `int4_by_rows`); "4bit" = 4 bits at every width (one arithmetic for
-    # AR and trees; compiled steps always)
+    # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
+    # arithmetic for AR and trees)
     int4_paths: str = "measured"
 
     def __post_init__(self) -> None:

@@ -290,6 +290,41 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
 
 
 @pytest.mark.slow  # torch.compile: tens of seconds
+def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch, tmp_path):
+    """Compiled 4-bit steps with int4_paths "measured" follow the same per-row-count tables as eager ones
+    (`StepGraph._measured_paths`): with a stand-in clock where 8+ rows run the dense fp32 weights, an 8-node
+    verify compiled equals the eager one (fp32, not the 4-bit kernel's bf16 arithmetic) and a one-token
+    step stays in 4 bits."""
+    from dart_lab import fast_llama, machine
+    if not fast_llama.can_int4(torch.device("cpu")):
+        pytest.skip("this torch has no CPU int4 kernel")
+    cost = {"int4": lambda r: r, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5, "fp32": lambda r: 4 + r / 8}
+    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
+    monkeypatch.setattr(machine, "LoadMeter", _Quiet)
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    _as_4bit_grids(model)
+    target = make_target(model, runner="fast")
+    target.weights = "int4"
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2])
+    one, chain = Tree(torch.tensor([7]), torch.tensor([-1])), Tree(torch.arange(20, 28), torch.arange(-1, 7))
+    eager = {}
+    for name, tree in (("one", one), ("chain", chain)):
+        target.prefill(prompt)
+        eager[name] = target.verify(tree).logits
+    target.compile, target.node_buckets, target.key_bucket, target.compile_capacity = True, (1, 8), 64, 128
+    compiled = {}
+    for name, tree in (("one", one), ("chain", chain)):
+        target.prefill(prompt)
+        compiled[name] = target.verify(tree).logits
+    assert target.compiled_shapes == {(1, 64), (8, 64)}
+    torch.testing.assert_close(compiled["chain"], eager["chain"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled["one"], eager["one"], atol=1e-3, rtol=1e-3)
+    graph = target._graph()
+    assert graph.int4[1].path(8) == "fp32" and graph.int4[1].path(1) == "fp16"
+
+
+@pytest.mark.slow  # torch.compile: tens of seconds
 def test_compiled_int4_steps_equal_eager_int4():
     """4-bit weights compiled (`StepGraph` over the `Int4Linear` calls, the ops between them fused): the same
     arithmetic as the eager int4 step up to float reordering, so the same greedy tokens."""
