@@ -70,6 +70,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
 
 
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The family's RMSNorm module applied to x (every family in FAMILIES computes w * x / rms(x) in fp32,
+    then casts x back before the weight): for fp32 activations and weight the same arithmetic as torch's
+    one-op `F.rms_norm` (bit-equal in our checks at the embedded model's width), one dispatch instead of
+    the module's eight small ops -- a visible share of an eager one-token step (docs/speed.md)."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN-packed linears: CPU, fp32 or bf16 (where this CPU can pack it), a torch built with oneDNN."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
@@ -444,23 +454,27 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         if i in aux_layers:
             taps[i] = x
         att, (qkv, o_proj, gate_up, down) = layer.self_attn, projs[i]
-        q, k, v = qkv(layer.input_layernorm(x)).view(B, N, nh + 2 * nkv, hd).split((nh, nkv, nkv), dim=2)
+        heads = qkv(_rms_norm(layer.input_layernorm, x)).view(B, N, nh + 2 * nkv, hd)
+        v = heads[:, :, nh + nkv:]
         if qk_norm:
-            q, k = att.q_norm(q), att.k_norm(k)
-        q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            q, k = _rms_norm(att.q_norm, heads[:, :, :nh]), _rms_norm(att.k_norm, heads[:, :, nh:nh + nkv])
+            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+        else:  # q and k side by side in the projection's output: rotated in one pass
+            qk = _rotate(heads[:, :, :nh + nkv].transpose(1, 2), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
         K, V = caches[0][i], caches[1][i]
         K.index_copy_(2, slots, k.to(K.dtype))
         V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
         o = F.scaled_dot_product_attention(q.to(K.dtype), K[:, :, :n_keys], V[:, :, :n_keys], attn_mask=attn_mask,
                                            is_causal=causal, scale=scaling, enable_gqa=nkv != nh).to(x.dtype)
         x = x + o_proj(o.transpose(1, 2).reshape(B, N, nh * hd))
-        gate, up = gate_up(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+        gate, up = gate_up(_rms_norm(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
         x = x + down(layer.mlp.act_fn(gate) * up)
     aux = torch.cat([taps[i] for i in aux_layers], dim=-1)
     if not batched:
-        return head(inner.norm(x[0] if rows is None else x[0, rows])).float(), aux[0]
+        return head(_rms_norm(inner.norm, x[0] if rows is None else x[0, rows])).float(), aux[0]
     h = x.reshape(B * N, -1) if rows is None else x.reshape(B * N, -1)[rows]  # only the rows whose logits are read
-    return head(inner.norm(h)).float(), aux
+    return head(_rms_norm(inner.norm, h)).float(), aux
 
 
 def _side_by_side(*mods: torch.nn.Linear):
