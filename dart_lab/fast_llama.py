@@ -619,8 +619,8 @@ class FastTarget(Target):
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
-    # writes by index_copy_)
-    runner_revision = 3
+    # writes by index_copy_; 4: fused norms and one-pass rotation for fp32 activations)
+    runner_revision = 4
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too)
