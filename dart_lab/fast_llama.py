@@ -550,12 +550,7 @@ class StepGraph(torch.nn.Module):
         self.bf16 = torch.nn.ModuleList()  # bf16 copies, only of what some row count takes
 
         def bf16(lin: torch.nn.Linear):
-            copy = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                   dtype=torch.bfloat16, device=lin.weight.device)
-            copy.requires_grad_(False)
-            copy.weight.copy_(lin.weight.detach())
-            if lin.bias is not None:
-                copy.bias.copy_(lin.bias.detach())
+            copy = _fused_linear(lin).to(torch.bfloat16)
             self.bf16.append(copy)
             return lambda x: copy(x.to(torch.bfloat16)).to(x.dtype)
 
