@@ -507,8 +507,10 @@ def _skipping_guards():
 class StepGraph(torch.nn.Module):
     """`decoder_step` for `torch.compile` (FastTarget.compile): q|k|v and gate|up as fused nn.Linear
     copies, compiled with inductor's freezing (the weights become constants; on a CPU inductor packs
-    them for oneDNN, as PackedLinear does eagerly) and static shapes: one graph per (node bucket, key
-    bucket), compiled on first use. `shapes` lists the ones seen (tests count real compilations)."""
+    them for oneDNN, as PackedLinear does eagerly) and static shapes but the number of keys attention
+    reads: one graph per node bucket, the key count a symbol (`n_keys` None), or static too, one graph per
+    (node bucket, key bucket) (`n_keys` the bucket). Compiled on first use; `shapes` lists the
+    (node bucket, key bucket or None) seen (tests count real compilations)."""
 
     graphs_allowed = 0  # dynamo's recompile limit, summed over the modules built in this process
 
@@ -532,7 +534,8 @@ class StepGraph(torch.nn.Module):
         object.__setattr__(self, "_compiled", torch.compile(self, dynamic=False, fullgraph=True))
         # one graph per shape: allow as many as the buckets can make without falling back to eager, for this
         # module and every one built before it in this process (their graphs share dynamo's code objects)
-        StepGraph.graphs_allowed += len(target.node_buckets) * (target.compile_capacity // target.key_bucket + 1)
+        key_buckets = target.compile_capacity // target.key_bucket + 1 if target.key_bucket else 1
+        StepGraph.graphs_allowed += len(target.node_buckets) * key_buckets
         need = StepGraph.graphs_allowed
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, need)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * need)
@@ -567,7 +570,9 @@ class StepGraph(torch.nn.Module):
                        target.model.lm_head)
         return layers, head
 
-    def forward(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int):
+    def forward(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int | None):
+        if n_keys is None:  # the mask's width, a symbol in the graph (`run`)
+            n_keys = attn_mask.shape[-1]
         if self.int4 is not None:
             projs, head = self.int4
         else:
@@ -577,8 +582,10 @@ class StepGraph(torch.nn.Module):
         return decoder_step(self.target_model, projs, head, self.geometry, ids, positions, slots, (ks, vs), n_keys,
                             attn_mask)
 
-    def run(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int):
-        """(logits (Nb, V), aux (Nb, 3H)) for a padded step; Nb = ids.numel()."""
+    def run(self, ids, positions, slots, attn_mask, ks, vs, n_keys: int | None):
+        """(logits (Nb, V), aux (Nb, 3H)) for a padded step; Nb = ids.numel(). attn_mask (1, 1, Nb, K):
+        attention reads cache slots [0, K); n_keys None: K varies from call to call in one graph, else
+        n_keys == K, a static shape."""
         shape = (ids.numel(), n_keys)
         if shape in self.shapes:
             # a shape this module already compiled: dynamo checks only the guards that tell its cached graphs
@@ -590,6 +597,8 @@ class StepGraph(torch.nn.Module):
             with _skipping_guards():
                 return self._compiled(ids, positions, slots, attn_mask, ks, vs, n_keys)
         self.shapes.add(shape)
+        if n_keys is None:  # compiled with the key count symbolic: any K up to the cache's slots reuses it
+            torch._dynamo.mark_dynamic(attn_mask, 3)
         # freezing is read while compiling (passed through torch.compile's `options` it did not reach the
         # compiler: the linears stayed aten::mm, unpacked), so it is set around the call that compiles
         # int4's head mixes fp16 (one row) and bf16 (the 4-bit kernel's activations) by design
@@ -610,7 +619,10 @@ class FastTarget(Target):
     # (experiments/engine/compile_bench.py)
     compile: bool = False
     node_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)  # a step of N nodes runs padded to the next of these
-    key_bucket: int = 256  # attention reads the cache in multiples of this many slots
+    # compiled attention reads exactly the cached keys, their number a symbol in the graph (None), or a
+    # multiple of this many slots (one graph per multiple; reads the padding too: experiments/engine/
+    # compiled_keys.py)
+    key_bucket: int | None = None
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
@@ -666,7 +678,7 @@ class FastTarget(Target):
 
     @property
     def compiled_shapes(self) -> set:
-        """(node bucket, key bucket) shapes compiled so far (`compile=True`), each once."""
+        """(node bucket, key bucket or None: any) shapes compiled so far (`compile=True`), each once."""
         return set(self._step_graph.shapes) if self._step_graph is not None else set()
 
     @property
@@ -819,12 +831,13 @@ class FastTarget(Target):
                        want_aux: bool) -> TargetOutput | None:
         """A one-token step or tree verify through `torch.compile` with static shapes: N nodes padded to
         the next of `node_buckets` (dummy nodes attend only to themselves and write cache slots past the
-        tree, which nothing reads), attention over the first `key_bucket`-multiple of cache slots (an
-        additive mask hides the rest). None when the step does not fit (more nodes than the largest
-        bucket, or past `compile_capacity`): the eager forward runs then."""
+        tree, which nothing reads), attention over the P + nb cache slots in use (or the first
+        `key_bucket`-multiple of slots, an additive mask hiding the rest). None when the step does not fit
+        (more nodes than the largest bucket, or past `compile_capacity`): the eager forward runs then."""
         P, N = self.seq_len, ids.numel()
         nb = next((b for b in self.node_buckets if b >= N), None)
-        nk = -(-(P + nb) // self.key_bucket) * self.key_bucket if nb else None
+        kb = self.key_bucket or 1
+        nk = -(-(P + nb) // kb) * kb if nb else None
         cap = min(self.compile_capacity, self.max_context)
         if nb is None or nk > cap:
             return None
@@ -839,9 +852,10 @@ class FastTarget(Target):
         pad_ids = torch.cat([ids.cpu(), ids.new_zeros(nb - N).cpu()])
         pad_pos = torch.cat([positions.cpu(), slots[N:]])
         graph = self._graph()
-        new_shape, t0 = (nb, nk) not in graph.shapes, time.perf_counter()
+        static_keys = nk if self.key_bucket else None
+        new_shape, t0 = (nb, static_keys) not in graph.shapes, time.perf_counter()
         logits, aux = graph.run(pad_ids.to(dev), pad_pos.to(dev), slots.to(dev), attn_mask[None, None].to(dev),
-                                *self._layer_caches(), nk)
+                                *self._layer_caches(), static_keys)
         if new_shape:  # the first call of a shape compiles it
             self.compile_seconds += time.perf_counter() - t0
         return TargetOutput(logits[:N], aux[:N] if want_aux else None)
@@ -850,17 +864,19 @@ class FastTarget(Target):
     def precompile(self, context: int) -> int:
         """Compile now every (node bucket, key bucket) shape a decode within `context` tokens can meet
         (`compile=True`; else nothing), so that timed decodes do not compile: one verify of a chain of each
-        bucket's size after a prompt that puts it in each key bucket. Returns the shapes compiled now."""
+        bucket's size (after a prompt that puts it in each key bucket, where keys are bucketed). Returns the
+        shapes compiled now."""
         if not self.compile:
             return 0
         before = set(self.compiled_shapes)
         g = torch.Generator().manual_seed(0)
         V = min(self.vocab_size, 1000)
         kb, cap = self.key_bucket, min(self.compile_capacity, self.max_context)
-        for nk in range(kb, min(-(-context // kb) * kb, cap) + 1, kb):
+        key_counts = range(kb, min(-(-context // kb) * kb, cap) + 1, kb) if kb else [min(context, cap)]
+        for nk in key_counts:
             for nb in self.node_buckets:
                 P = nk - nb  # P + nb cached slots: the last of key bucket nk
-                if P < 1 or (nb, nk) in before:
+                if P < 1 or (nb, nk if kb else None) in before:
                     continue
                 self.prefill(torch.randint(3, V, (P,), generator=g))  # P committed; the chain's root is new
                 self.verify(Tree(torch.randint(3, V, (nb,), generator=g), torch.arange(-1, nb - 1)))

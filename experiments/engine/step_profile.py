@@ -2,7 +2,9 @@
 (`--compile`: one shape compiled first), after a random prompt; plus the wall time of verify + commit
 against the compiled graph's call alone (the Python around the graph).
 
-    python experiments/engine/step_profile.py [--dtype int4] [--compile] [--steps 40] [--rows 20]
+    python experiments/engine/step_profile.py [--dtype int4] [--compile] [--steps 40] [--rows 20] [--nodes 1]
+
+`--nodes N` verifies a chain of N nodes per step instead of one token (what a tree of N costs, per op).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rows", type=int, default=20, help="ops listed")
     ap.add_argument("--context", type=int, default=150)
+    ap.add_argument("--nodes", type=int, default=1, help="a chain of this many nodes per verify")
     args = ap.parse_args(argv)
     t = load_target("smollm2-135m", dtype=args.dtype)
     t.compile = args.compile
@@ -38,7 +41,9 @@ def main(argv=None) -> int:
         nonlocal tok
         t0 = time.perf_counter()
         for _ in range(n):
-            tok = int(t.verify(Tree.single(tok)).logits[0].argmax())
+            tree = Tree.single(tok) if args.nodes == 1 else Tree(
+                torch.tensor([tok] * args.nodes), torch.arange(-1, args.nodes - 1))
+            tok = int(t.verify(tree).logits[0].argmax())
             t.commit([0])
             t.truncate(P)
         return (time.perf_counter() - t0) / n * 1e3
@@ -46,9 +51,9 @@ def main(argv=None) -> int:
     steps(3)  # warm up (and compile the one shape)
     wall = statistics.median(steps(args.steps) for _ in range(5))
     print(f"one-token step (verify + commit): {wall:.2f} ms", flush=True)
-    if args.compile:
+    if args.compile and args.nodes == 1:
         graph, positions, slots = t._graph(), torch.tensor([P]), torch.tensor([P])  # distinct: aliasing is guarded too
-        kb = t.key_bucket
+        kb = t.key_bucket or 1
         nk = -(-(P + 1) // kb) * kb
         mask = torch.zeros(1, nk).masked_fill_(torch.arange(nk)[None] > P, float("-inf"))[None, None]
         ks, vs = t._layer_caches()
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
         def graph_only(n: int) -> float:
             t0 = time.perf_counter()
             for _ in range(n):
-                int(graph.run(torch.tensor([tok]), positions, slots, mask, ks, vs, nk)[0][0].argmax())
+                int(graph.run(torch.tensor([tok]), positions, slots, mask, ks, vs, nk if t.key_bucket else None)[0][0].argmax())
             return (time.perf_counter() - t0) / n * 1e3
 
         graph_only(3)
