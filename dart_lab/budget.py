@@ -109,7 +109,8 @@ def fingerprint(target) -> dict:
             "packed_weights": getattr(target, "packs_weights", False),
             "attention_dtype": str(getattr(target, "cache_dtype", target.dtype)),
             "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve
-            "compiled": list(target.node_buckets) if getattr(target, "compile", False) else False,
+            "compiled": ({"node_buckets": list(target.node_buckets), "key_bucket": target.key_bucket}
+                         if getattr(target, "compile", False) else False),
             **({"int4_revision": target.int4_revision, "int4_paths": target.int4_paths}
                if getattr(target, "precision", None) == "int4" else {})}
 
