@@ -620,8 +620,8 @@ class FastTarget(Target):
     compile: bool = False
     node_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)  # a step of N nodes runs padded to the next of these
     # compiled attention reads exactly the cached keys, their number a symbol in the graph (None), or a
-    # multiple of this many slots (one graph per multiple; reads the padding too: experiments/engine/
-    # compiled_keys.py)
+    # multiple of this many slots (one graph per multiple, the padding read too: dearer, and compiling
+    # more; experiments/engine/compiled_ab.py --variant keys)
     key_bucket: int | None = None
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
