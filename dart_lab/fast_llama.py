@@ -836,8 +836,9 @@ class FastTarget(Target):
         (more nodes than the largest bucket, or past `compile_capacity`): the eager forward runs then."""
         P, N = self.seq_len, ids.numel()
         nb = next((b for b in self.node_buckets if b >= N), None)
-        kb = self.key_bucket or 1
-        nk = -(-(P + nb) // kb) * kb if nb else None
+        nk = P + nb if nb else None  # the slots in use, or with static key buckets the next multiple
+        if nk and self.key_bucket:
+            nk = -(-nk // self.key_bucket) * self.key_bucket
         cap = min(self.compile_capacity, self.max_context)
         if nb is None or nk > cap:
             return None
@@ -875,7 +876,7 @@ class FastTarget(Target):
         key_counts = range(kb, min(-(-context // kb) * kb, cap) + 1, kb) if kb else [min(context, cap)]
         for nk in key_counts:
             for nb in self.node_buckets:
-                P = nk - nb  # P + nb cached slots: the last of key bucket nk
+                P = nk - nb  # P + nb cached slots: the last of key bucket nk (exact keys: any count compiles it)
                 if P < 1 or (nb, nk if kb else None) in before:
                     continue
                 self.prefill(torch.randint(3, V, (P,), generator=g))  # P committed; the chain's root is new
