@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from . import q4
 from .assets import cache_dir
 from .atomic import write_json
 from .machine import LoadMeter
@@ -111,7 +112,7 @@ def fingerprint(target) -> dict:
             "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve
             "compiled": ({"node_buckets": list(target.node_buckets), "key_bucket": target.key_bucket}
                          if getattr(target, "compile", False) else False),
-            **({"int4_revision": target.int4_revision, "int4_paths": target.int4_paths}
+            **({"int4_revision": target.int4_revision, "int4_paths": target.int4_paths, "q4_kernel": q4.available()}
                if getattr(target, "precision", None) == "int4" else {})}
 
 

@@ -41,6 +41,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from .q4 import Q4Linear
 from .target import Target, TargetOutput
 from .tree import Tree
 
@@ -280,6 +281,8 @@ def int4_projections(model) -> tuple[list, object, dict]:
         if grid is not None:
             n4 += 1
             lin = Int4Linear.of(*mods, groups=grid)
+            # our kernel over the same groups, where this CPU builds it: a path `int4_by_rows` times
+            lin.q4 = Q4Linear.of_groups(grid, None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods]))
             read += lin.weight_bytes
             return lin
         read += w.numel() * w.element_size()
@@ -396,6 +399,9 @@ def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -
     kinds, report, layers = ("qkv", "o", "gate_up", "down"), {}, [[None] * 4 for _ in mods]
     for j, kind in enumerate(kinds):
         paths = {"int4": [row[j] for row in layers4], _dt_name(dt): [row[j] for row in layers_d]}
+        if all(getattr(row[j], "q4", None) is not None for row in layers4) and (not tables or any(
+                n == "q4" for _, n in tables[kind])):
+            paths["q4"] = [row[j].q4 for row in layers4]
         if bf16 and (not tables or any(n == "bf16" for _, n in tables[kind])):  # copies only where timed or taken
             paths["bf16"] = [_bf16_linear(torch.cat([m.weight.detach() for m in ms[j]]),
                                           None if ms[j][0].bias is None else torch.cat([m.bias.detach() for m in ms[j]]))
@@ -564,7 +570,8 @@ class StepGraph(torch.nn.Module):
         layers = []
         for i, l in enumerate(target.model.model.layers):
             dense = (self.qkv[i], l.self_attn.o_proj, self.gate_up[i], l.mlp.down_proj)
-            layers.append(tuple(by_rows(tables[kind], {"int4": layers4[i][j], dense_name: dense[j]}, "bf16", dense[j])
+            layers.append(tuple(by_rows(tables[kind], {"int4": layers4[i][j], "q4": getattr(layers4[i][j], "q4", None),
+                                                       dense_name: dense[j]}, "bf16", dense[j])
                                 for j, kind in enumerate(("qkv", "o", "gate_up", "down"))))
         head = by_rows(tables["lm_head"], {**head4.paths, dense_name: target.model.lm_head}, "bf16 packed",
                        target.model.lm_head)
@@ -630,8 +637,9 @@ class FastTarget(Target):
     runner_revision = 4
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
-    # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too)
-    int4_revision = 5
+    # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
+    # one more measured path)
+    int4_revision = 6
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
     # arithmetic for AR and trees)

@@ -7,7 +7,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import tiny_model
 from drafters_for_tests import OracleDrafter
-from dart_lab import DartLabError, GenerationConfig, Tree, generate
+from dart_lab import DartLabError, GenerationConfig, Tree, generate, q4
 from dart_lab.fast_llama import FastTarget
 from dart_lab.loading import make_target
 from dart_lab.target import Target
@@ -159,8 +159,9 @@ def _as_4bit_grids(model, group: int = 32, seed: int = 0) -> None:
                 N, K = m.weight.shape
                 q = torch.randint(0, 16, (N, K // group, group), generator=g).float()
                 q[..., 0], q[..., 1] = 0, 15  # each group spans the whole grid, as a quantizer's min/max do
-                d = torch.rand(N, K // group, 1, generator=g) * 0.02 + 0.005
-                lo = -7.5 * d + torch.randn(N, K // group, 1, generator=g) * 0.01
+                # scale and low are fp16 numbers, as a GGUF's Q4_1 blocks store them
+                d = (torch.rand(N, K // group, 1, generator=g) * 0.02 + 0.005).half().float()
+                lo = (-7.5 * d + torch.randn(N, K // group, 1, generator=g) * 0.01).half().float()
                 m.weight.copy_((q * d + lo).reshape(N, K))
 
 
@@ -290,6 +291,61 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
     assert again.dtype_report["int4"]["by_rows"]["cached"] and not measured.dtype_report["int4"]["by_rows"]["cached"]
 
 
+def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
+    """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = bf16(x) W^T with W = q * scale + low exactly, to
+    fp32 rounding, for any row count (rows go through the kernel 8 at a time) -- torch's int4 kernel
+    rounds scale and zero to bf16 too. `pack` refuses what the kernel cannot hold."""
+    if not q4.available():
+        pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
+    g = torch.Generator().manual_seed(0)
+    for N, K in ((48, 96), (32, 64)):
+        q = torch.randint(0, 16, (N, K), generator=g)
+        scale = (torch.rand(N, K // 32, 1, generator=g) * 0.02 + 0.005).half().float()
+        low = (torch.randn(N, K // 32, 1, generator=g) * 0.05).half().float()
+        w = (q.reshape(N, K // 32, 32) * scale + low).reshape(N, K)
+        bias = torch.randn(N, generator=g)
+        lin = q4.Q4Linear.of_groups((q, scale, low), bias)
+        for M in (1, 2, 5, 8, 9, 19):
+            x = torch.randn(M, K, generator=g)
+            want = (x.to(torch.bfloat16).double() @ w.double().T + bias.double()).float()
+            torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
+        x = torch.randn(2, 3, K, generator=g).to(torch.bfloat16)  # any leading shape and dtype: x's back
+        assert lin(x).shape == (2, 3, N) and lin(x).dtype == torch.bfloat16
+    assert q4.pack(q[:24], scale[:24], low[:24]) is None  # outputs not a multiple of 16
+    assert q4.pack(q, scale + 1e-4, low) is None  # scales that are no fp16 numbers
+
+
+def test_int4_steps_on_our_kernel_are_the_grid_with_bf16_inputs(monkeypatch, tmp_path):
+    """Where our kernel measures fastest (stand-in clock) every 4-bit linear takes it: a one-token step and an
+    8-node tree equal the dense fp32 runner's within x's bf16 rounding alone (tighter than torch's int4
+    kernel allows), and greedy speculation equals greedy AR but at near-ties."""
+    from dart_lab import fast_llama, machine
+    from dart_lab.bench import NEAR_TIE_LOGITS
+    if not q4.available():
+        pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
+    cost = {"q4": lambda r: r, "fp16": lambda r: r}
+    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
+    monkeypatch.setattr(machine, "LoadMeter", _Quiet)
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    _as_4bit_grids(model)
+    dense, measured = make_target(model, runner="fast"), make_target(model, runner="fast")
+    measured.weights = "int4"
+    layers, _ = measured._int4()
+    assert all(p.table == ((1, "q4"),) for row in layers for p in row)
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2])
+    for tree in (Tree(torch.tensor([7]), torch.tensor([-1])), Tree(torch.arange(20, 28), torch.arange(-1, 7))):
+        dense.prefill(prompt), measured.prefill(prompt)
+        a, b = dense.verify(tree, want_aux=True), measured.verify(tree, want_aux=True)
+        torch.testing.assert_close(b.logits, a.logits, atol=0.05, rtol=0.01)
+        torch.testing.assert_close(b.aux, a.aux, atol=0.02, rtol=0.01)
+    cfg = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+    ar = generate(measured, prompt, None, cfg)
+    spec = generate(measured, prompt, OracleDrafter(prompt.tolist() + ar.tokens, measured.vocab_size, depth=5), cfg)
+    i = next((j for j, (x, y) in enumerate(zip(ar.tokens, spec.tokens)) if x != y), None)
+    assert i is None or ar.margins[i] <= NEAR_TIE_LOGITS
+
+
 @pytest.mark.slow  # torch.compile: tens of seconds
 def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch, tmp_path):
     """Compiled 4-bit steps with int4_paths "measured" follow the same per-row-count tables as eager ones
@@ -299,7 +355,9 @@ def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch,
     from dart_lab import fast_llama, machine
     if not fast_llama.can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
-    cost = {"int4": lambda r: r, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5, "fp32": lambda r: 4 + r / 8}
+    # narrow steps in 4 bits: our kernel (q4.py) where this CPU builds it, else torch's
+    cost = {"int4": lambda r: r, "q4": lambda r: r - 0.5, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5,
+            "fp32": lambda r: 4 + r / 8}
     monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
     monkeypatch.setattr(machine, "LoadMeter", _Quiet)
     monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
@@ -307,6 +365,7 @@ def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch,
     _as_4bit_grids(model)
     target = make_target(model, runner="fast")
     target.weights = "int4"
+    narrow = "q4" if q4.available() else "int4"
     prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2])
     one, chain = Tree(torch.tensor([7]), torch.tensor([-1])), Tree(torch.arange(20, 28), torch.arange(-1, 7))
     eager = {}
@@ -323,6 +382,7 @@ def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch,
     torch.testing.assert_close(compiled["one"], eager["one"], atol=1e-3, rtol=1e-3)
     graph = target._graph()
     assert graph.int4[1].path(8) == "fp32" and graph.int4[1].path(1) == "fp16"
+    assert all(p.path(1) == narrow and p.path(8) == "fp32" for row in graph.int4[0] for p in row)
 
 
 @pytest.mark.slow  # torch.compile: tens of seconds

@@ -1,0 +1,108 @@
+"""A 4-bit weight-only matmul of our own (`dart_lab/csrc/q4mm.cpp`) for CPUs with AVX512-BF16: the same
+4-bit groups as `fast_llama.Int4Linear` (GGUF Q4_1: w = q * scale + low per 32 inputs), multiplied as
+bf16 lookups by x rounded to bf16 with fp32 sums. Faster than torch's int4 CPU kernel and closer to the
+weights (torch's rounds each group's scale and zero to bf16; this keeps the GGUF's own fp16 values).
+It is one more path `fast_llama.int4_by_rows` times per row count: taken only where it measures faster.
+
+Built with torch's C++ extension loader the first time a process asks for it (a C++ compiler needed, as
+for `torch.compile` on a CPU; ~25 s, then cached by torch); where it cannot be built or the CPU lacks
+AVX512-BF16, `available()` is False and says why (`reason()`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "q4mm.cpp"
+_state: dict = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _build() -> str | None:
+    """Load (building if needed) the extension; None when it is usable, else why not."""
+    need = {"avx512f", "avx512bw", "avx512_bf16", "f16c"}
+    missing = need - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        load("dart_lab_q4mm", [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, a failed build: the path is simply not offered
+        return f"building {_SOURCE.name} failed: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
+
+    @torch.library.register_fake("dart_lab::q4mm")
+    def _(x, wp, sl, n):  # shapes for torch.compile
+        return x.new_empty(x.shape[0], n)
+
+    return None
+
+
+def reason() -> str | None:
+    """Why the kernel is not available here (None when it is)."""
+    if "reason" not in _state:
+        _state["reason"] = _build()
+    return _state["reason"]
+
+
+def available() -> bool:
+    return reason() is None
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q (N, K) in 0..15, scale and low (N, K/32, 1) -> (wp, sl) in the kernel's layouts (csrc/q4mm.cpp), or
+    None when N is not a multiple of 16 or scale and low are not fp16 numbers (the kernel reads them in fp16;
+    a GGUF's Q4_1 blocks store them so)."""
+    N, K = q.shape
+    G = K // 32
+    if N % 16 or K % 32:
+        return None
+    s16, l16 = scale.to(torch.float16), low.to(torch.float16)
+    span = (15 * scale).abs().clamp_min(1e-30)
+    if ((s16.float() - scale).abs() * 15 > 1e-5 * span).any() or ((l16.float() - low).abs() > 1e-5 * span).any():
+        return None
+    q4 = q.to(torch.uint8).view(N // 16, 16, K // 4, 4)
+    wp = (q4[..., :2] | (q4[..., 2:] << 4)).permute(0, 2, 1, 3).reshape(N // 16, K // 4, 32).contiguous()
+    sl = torch.stack([s16.reshape(N // 16, 16, G).permute(0, 2, 1), l16.reshape(N // 16, 16, G).permute(0, 2, 1)], 2)
+    return wp, sl.contiguous()
+
+
+class Q4Linear:
+    """y = x W^T + b through `dart_lab::q4mm`; x and y in x's dtype (computed from fp32 x)."""
+
+    def __init__(self, packed: tuple[torch.Tensor, torch.Tensor], out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None):
+        self.wp, self.sl = packed
+        self.out_features, self.in_features, self.b = out_features, in_features, bias
+
+    @classmethod
+    def of_groups(cls, groups: tuple, bias: torch.Tensor | None = None) -> "Q4Linear | None":
+        """From `fast_llama.int4_groups`' (q, scale, low); None where `pack` declines or the kernel is absent."""
+        if not available():
+            return None
+        q = groups[0]
+        packed = pack(*groups)
+        return None if packed is None else cls(packed, q.shape[0], q.shape[1], bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.wp.numel() + 2 * self.sl.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        y = torch.ops.dart_lab.q4mm(x2, self.wp, self.sl, self.out_features)
+        if self.b is not None:
+            y = y + self.b
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
