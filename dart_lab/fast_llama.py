@@ -228,14 +228,18 @@ class Int4Linear:
         q, scale, low = groups or int4_groups(w, cls.group)
         return cls(q, scale, low, None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods]))
 
+    @staticmethod
+    def halves_of(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An 8-bit grid (`int8_groups`' q, d) as 4-bit groups (q, scale, low) over [x, x]: q = 16 hi + lo,
+        hi + 8 and lo in 0..15; the hi half's w = (hi + 8) * 16d - 128d, the lo half's w = lo * d + 0."""
+        hi = torch.div(q, 16, rounding_mode="floor")
+        both = torch.cat([hi + 8, q - 16 * hi], 1)
+        return both, torch.cat([16 * d, d], 1), torch.cat([-128 * d, torch.zeros_like(d)], 1)
+
     @classmethod
     def of_8bit(cls, mod: torch.nn.Linear, groups: tuple | None = None) -> "Int4Linear":
         """A linear whose weight is an 8-bit grid (`int8_groups`), as two 4-bit halves (class docstring)."""
-        q, d = groups or int8_groups(mod.weight, cls.group)
-        hi = torch.div(q, 16, rounding_mode="floor")
-        both = torch.cat([hi + 8, q - 16 * hi], 1)  # kernel q in 0..15: hi shifted by 8, lo as it is
-        # hi half: (hi + 8 - 8) * 16d + 0; lo half: (lo - 8) * d + 8d
-        scale, low = torch.cat([16 * d, d], 1), torch.cat([-128 * d, torch.zeros_like(d)], 1)
+        both, scale, low = cls.halves_of(*(groups or int8_groups(mod.weight, cls.group)))
         return cls(both, scale, low, None if mod.bias is None else mod.bias.detach(), halves=2)
 
     @property
@@ -305,6 +309,10 @@ def int4_projections(model) -> tuple[list, object, dict]:
     one_row = {name: lambda x: F.linear(x.to(half), head_w, head_b)}
     head = ByRows(one_row, ((1, name),)) if rows8 is None else \
         ByRows({**one_row, "int8 halves": rows8}, ((1, name), (2, "int8 halves")))
+    q4_head = None if grid8 is None else Q4Linear.of_groups(
+        Int4Linear.halves_of(*grid8), None if model.lm_head.bias is None else model.lm_head.bias.detach(), halves=2)
+    if q4_head is not None:  # the same halves through our kernel: a path `int4_by_rows` times
+        head.paths["q4 halves"] = q4_head
     head_kind = name if rows8 is None else f"{name} (1 row), int8 as two 4-bit halves (2+ rows)"
     read += head_w.numel() * head_w.element_size()
     # what a one-token step reads of the weights (norms and one embedding row aside)
@@ -638,8 +646,8 @@ class FastTarget(Target):
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
-    # one more measured path)
-    int4_revision = 6
+    # one more measured path, for the LM head's halves too)
+    int4_revision = 7
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
     # arithmetic for AR and trees)

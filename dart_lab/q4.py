@@ -42,7 +42,7 @@ def _build() -> str | None:
         return f"building {_SOURCE.name} failed: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
 
     @torch.library.register_fake("dart_lab::q4mm")
-    def _(x, wp, sl, n):  # shapes for torch.compile
+    def _(x, wp, sl, n, halves=1):  # shapes for torch.compile
         return x.new_empty(x.shape[0], n)
 
     return None
@@ -78,21 +78,23 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch
 
 
 class Q4Linear:
-    """y = x W^T + b through `dart_lab::q4mm`; x and y in x's dtype (computed from fp32 x)."""
+    """y = x W^T + b through `dart_lab::q4mm`; x and y in x's dtype (computed from fp32 x). halves=2: an 8-bit
+    grid as two 4-bit halves along the inputs (`fast_llama.Int4Linear.of_8bit`'s groups), x read twice."""
 
     def __init__(self, packed: tuple[torch.Tensor, torch.Tensor], out_features: int, in_features: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, halves: int = 1):
         self.wp, self.sl = packed
-        self.out_features, self.in_features, self.b = out_features, in_features, bias
+        self.out_features, self.in_features, self.b, self.halves = out_features, in_features, bias, halves
 
     @classmethod
-    def of_groups(cls, groups: tuple, bias: torch.Tensor | None = None) -> "Q4Linear | None":
-        """From `fast_llama.int4_groups`' (q, scale, low); None where `pack` declines or the kernel is absent."""
+    def of_groups(cls, groups: tuple, bias: torch.Tensor | None = None, halves: int = 1) -> "Q4Linear | None":
+        """From 4-bit groups (q (N, K), scale, low: `fast_llama.int4_groups`, or two halves side by side);
+        None where `pack` declines or the kernel is absent."""
         if not available():
             return None
         q = groups[0]
         packed = pack(*groups)
-        return None if packed is None else cls(packed, q.shape[0], q.shape[1], bias)
+        return None if packed is None else cls(packed, q.shape[0], q.shape[1] // halves, bias, halves)
 
     @property
     def weight_bytes(self) -> int:
@@ -102,7 +104,7 @@ class Q4Linear:
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        y = torch.ops.dart_lab.q4mm(x2, self.wp, self.sl, self.out_features)
+        y = torch.ops.dart_lab.q4mm(x2, self.wp, self.sl, self.out_features, self.halves)
         if self.b is not None:
             y = y + self.b
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

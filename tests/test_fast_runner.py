@@ -295,6 +295,7 @@ def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
     """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = bf16(x) W^T with W = q * scale + low exactly, to
     fp32 rounding, for any row count (rows go through the kernel 8 at a time) -- torch's int4 kernel
     rounds scale and zero to bf16 too. `pack` refuses what the kernel cannot hold."""
+    from dart_lab.fast_llama import Int4Linear
     if not q4.available():
         pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
     g = torch.Generator().manual_seed(0)
@@ -311,6 +312,15 @@ def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
             torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
         x = torch.randn(2, 3, K, generator=g).to(torch.bfloat16)  # any leading shape and dtype: x's back
         assert lin(x).shape == (2, 3, N) and lin(x).dtype == torch.bfloat16
+        # an 8-bit grid (a GGUF Q8_0 LM head) as two 4-bit halves over [x, x]
+        q8 = torch.randint(-127, 128, (N, K), generator=g)
+        d = (torch.rand(N, K // 32, 1, generator=g) * 1e-3 + 1e-4).half().float()
+        w8 = (q8.reshape(N, K // 32, 32) * d).reshape(N, K)
+        head = q4.Q4Linear.of_groups(Int4Linear.halves_of(q8, d), halves=2)
+        for M in (1, 9):
+            x = torch.randn(M, K, generator=g)
+            torch.testing.assert_close(head(x), (x.to(torch.bfloat16).double() @ w8.double().T).float(),
+                                       atol=1e-5, rtol=1e-5)
     assert q4.pack(q[:24], scale[:24], low[:24]) is None  # outputs not a multiple of 16
     assert q4.pack(q, scale + 1e-4, low) is None  # scales that are no fp16 numbers
 

@@ -90,10 +90,13 @@ void round_rows(const float* x, int64_t M, int64_t K, uint32_t* xp, float* xs) {
   }
 }
 
-at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl, int64_t n) {
+// halves > 1: W is an 8-bit grid held as 4-bit halves side by side along the inputs (q = 16 hi + lo), x of
+// K / halves inputs read as [x, x] (fast_llama.Int4Linear.of_8bit builds the same groups for torch's kernel)
+at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl, int64_t n, int64_t halves) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "q4mm: x must be a contiguous (M, K) float32 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(halves >= 1 && x.size(1) % 32 == 0, "q4mm: halves >= 1 and x's width a multiple of 32");
+  const int64_t M = x.size(0), Kx = x.size(1), K = Kx * halves;
   TORCH_CHECK(K % 32 == 0 && n % 16 == 0, "q4mm: K must be a multiple of 32 and N of 16");
   TORCH_CHECK(wp.scalar_type() == at::kByte && wp.numel() == n * K / 2, "q4mm: wp is not (N/16, K/4, 32) uint8");
   TORCH_CHECK(sl.scalar_type() == at::kHalf && sl.numel() == n * K / 16, "q4mm: sl is not (N/16, K/32, 2, 16) fp16");
@@ -101,7 +104,18 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
   if (M == 0) return y;
   std::vector<uint32_t> xp(M * K / 2);
   std::vector<float> xs(M * K / 32);
-  round_rows(x.data_ptr<float>(), M, K, xp.data(), xs.data());
+  if (halves == 1) {
+    round_rows(x.data_ptr<float>(), M, K, xp.data(), xs.data());
+  } else {
+    std::vector<uint32_t> hp(M * Kx / 2);
+    std::vector<float> hs(M * Kx / 32);
+    round_rows(x.data_ptr<float>(), M, Kx, hp.data(), hs.data());
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t h = 0; h < halves; ++h) {
+        std::copy_n(hp.data() + r * Kx / 2, Kx / 2, xp.data() + r * K / 2 + h * Kx / 2);
+        std::copy_n(hs.data() + r * Kx / 32, Kx / 32, xs.data() + r * K / 32 + h * Kx / 32);
+      }
+  }
   const uint8_t* w = wp.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sl.data_ptr<at::Half>());
   for (int64_t r = 0; r < M; r += kMaxRows) {
@@ -114,7 +128,7 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
 }  // namespace
 
 TORCH_LIBRARY(dart_lab, m) {
-  m.def("q4mm(Tensor x, Tensor wp, Tensor sl, int n) -> Tensor");
+  m.def("q4mm(Tensor x, Tensor wp, Tensor sl, int n, int halves=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
