@@ -1,0 +1,78 @@
+"""Our 4-bit kernel (`dart_lab.q4`, csrc/q4mm.cpp) against torch's int4 CPU kernel (`Int4Linear`) and oneDNN
+bf16 copies, on the embedded target's 120 decoder linears (the GGUF's Q4_1 groups) and its Q8_0 LM head (two
+4-bit halves): ms of one sweep over all of them (every weight streamed from memory, as in a step) per row
+count, median of 7 interleaved rounds; and each path's max error against bf16(x) W^T in fp32.
+
+    python experiments/engine/q4_kernel.py [--rows 1,2,4,8,16,64]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from dart_lab import q4  # noqa: E402
+from dart_lab.fast_llama import Int4Linear, PackedLinear, int4_groups, int8_groups  # noqa: E402
+from dart_lab.loading import load_target  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8,16,64")
+    args = ap.parse_args(argv)
+    if not q4.available():
+        print(f"our kernel is not available here: {q4.reason()}")
+        return 1
+    torch.set_num_threads(2)
+    model = load_target(dtype="fp32", runner="fast").model
+    layers = []  # (weight, torch int4, ours, bf16 copy)
+    for l in model.model.layers:
+        for mods in ((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), (l.self_attn.o_proj,),
+                     (l.mlp.gate_proj, l.mlp.up_proj), (l.mlp.down_proj,)):
+            w = torch.cat([m.weight.detach() for m in mods])
+            g = int4_groups(w)
+            layers.append((w, Int4Linear(*g), q4.Q4Linear.of_groups(g),
+                           PackedLinear(SimpleNamespace(weight=w.to(torch.bfloat16), bias=None))))
+    hw = model.lm_head.weight.detach()
+    g8 = int8_groups(hw)
+    head = (hw, Int4Linear.of_8bit(model.lm_head, groups=g8), q4.Q4Linear.of_groups(Int4Linear.halves_of(*g8), halves=2),
+            PackedLinear(SimpleNamespace(weight=hw.to(torch.bfloat16), bias=None)))
+    names = ("torch int4", "ours", "bf16")
+
+    def call(lin, i, x):
+        return lin[i + 1](x) if i < 2 else lin[i + 1](x.to(torch.bfloat16)).float()  # lin[0]: the weight
+
+    g = torch.Generator().manual_seed(0)
+    for what, lins in (("30 layers' linears", layers), ("LM head (Q8_0)", [head])):
+        x1 = {n: torch.randn(3, n, generator=g) for n in {lin[0].shape[1] for lin in lins}}
+        def err(lin, i):
+            x = x1[lin[0].shape[1]]
+            return float((call(lin, i, x) - x.to(torch.bfloat16).float() @ lin[0].T).abs().max())
+
+        errs = {n: max(err(lin, i) for lin in lins) for i, n in enumerate(names)}
+        print(f"\n{what}: max |y - bf16(x) W^T| " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+        print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | ours / torch int4 |\n|---|---|---|---|---|")
+        for r in (int(v) for v in args.rows.split(",")):
+            xs = {n: torch.randn(r, n, generator=g) for n in x1}
+            got = {n: [] for n in names}
+            for rnd in range(8):
+                for i, n in enumerate(names):
+                    t0 = time.perf_counter()
+                    for lin in lins:
+                        call(lin, i, xs[lin[0].shape[1]])
+                    if rnd:
+                        got[n].append((time.perf_counter() - t0) * 1e3)
+            med = {n: statistics.median(v) for n, v in got.items()}
+            print(f"| {r} | " + " | ".join(f"{med[n]:.2f}" for n in names) + f" | {med['ours'] / med['torch int4']:.2f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
