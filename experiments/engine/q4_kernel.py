@@ -2,8 +2,10 @@
 bf16 copies, on the embedded target's 120 decoder linears (the GGUF's Q4_1 groups) and its Q8_0 LM head (two
 4-bit halves): ms of one sweep over all of them (every weight streamed from memory, as in a step) per row
 count, median of 7 interleaved rounds; and each path's max error against bf16(x) W^T in fp32.
+`--steps`: eager one-token steps of the 4-bit target after a 150-token prompt, in one process, alternating
+torch's kernel at every width (`int4_paths` "4bit", LM head fp16) and the measured tables (ours where it won).
 
-    python experiments/engine/q4_kernel.py [--rows 1,2,4,8,16,64]
+    python experiments/engine/q4_kernel.py [--rows 1,2,4,8,16,64] [--steps]
 """
 from __future__ import annotations
 
@@ -20,16 +22,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dart_lab import q4  # noqa: E402
 from dart_lab.fast_llama import Int4Linear, PackedLinear, int4_groups, int8_groups  # noqa: E402
 from dart_lab.loading import load_target  # noqa: E402
+from dart_lab.tree import Tree  # noqa: E402
+
+
+def step_ab(rounds: int = 7, n: int = 30) -> None:
+    t = load_target(dtype="int4")
+    prompt = torch.randint(100, 20000, (150,), generator=torch.Generator().manual_seed(0))
+    P = prompt.numel()
+
+    @torch.no_grad()
+    def steps(mode: str) -> float:
+        t.int4_paths = mode
+        t.prefill(prompt)
+        tok = 5
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = int(t.verify(Tree.single(tok)).logits[0].argmax())
+            t.commit([0])
+            t.truncate(P)
+        return (time.perf_counter() - t0) / n * 1e3
+
+    modes = {"4bit": "torch's kernel", "measured": "measured tables (ours)"}
+    got = {m: [] for m in modes}
+    for m in modes:
+        steps(m)
+    for _ in range(rounds):
+        for m in modes:
+            got[m].append(steps(m))
+    paths = t.dtype_report["int4"]["by_rows"]
+    print("measured tables: " + "; ".join(f"{k} {paths[k]['paths']}" for k in ("qkv", "o", "gate_up", "down", "lm_head")))
+    for m, label in modes.items():
+        print(f"one-token step, {label}: {statistics.median(got[m]):.2f} ms (rounds {min(got[m]):.2f}-{max(got[m]):.2f})")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,64")
+    ap.add_argument("--steps", action="store_true", help="one-token steps, torch's kernel against the tables")
     args = ap.parse_args(argv)
     if not q4.available():
         print(f"our kernel is not available here: {q4.reason()}")
         return 1
     torch.set_num_threads(2)
+    if args.steps:
+        step_ab()
+        return 0
     model = load_target(dtype="fp32", runner="fast").model
     layers = []  # (weight, torch int4, ours, bf16 copy)
     for l in model.model.layers:
