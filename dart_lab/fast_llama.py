@@ -286,7 +286,8 @@ def int4_projections(model) -> tuple[list, object, dict]:
             n4 += 1
             lin = Int4Linear.of(*mods, groups=grid)
             # our kernel over the same groups, where this CPU builds it: a path `int4_by_rows` times
-            lin.q4 = Q4Linear.of_groups(grid, None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods]))
+            bias = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
+            lin.q4 = Q4Linear.of_groups(grid, bias)
             read += lin.weight_bytes
             return lin
         read += w.numel() * w.element_size()
@@ -395,7 +396,8 @@ def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -
     """The 4-bit target with every linear's path measured per row count (`fastest_by_rows`, `ByRows`):
     `int4` = `int4_projections(model)[:2]`, `dense` = the model's own (layers, head) in its dtype (packed
     where that applies); where the model is fp32 and oneDNN packs bf16 on this CPU, bf16 copies are a third
-    path; where our 4-bit kernel builds (`q4.py`), it is a fourth over the same groups (`q4`, `q4 halves`). The 4-bit kernel's cost grows with the rows much faster than a 16-bit matmul's on CPUs with bf16
+    path; where our 4-bit kernel builds (`q4.py`), it is a fourth over the same groups (`q4`, `q4 halves`).
+    torch's 4-bit kernel's cost grows with the rows much faster than a 16-bit matmul's on CPUs with bf16
     units, so a tree or a batch can be cheaper dense than in 4 bits; every path reads the same weights (the
     dense ones exactly, 4 bits their own grid), so this is the int4 arithmetic's near-tie contract. One
     table per kind of linear (q|k|v, o, gate|up, down: every layer's alike), one for the LM head; `tables`

@@ -30,14 +30,18 @@ def _cpu_flags() -> set[str]:
 
 def _build() -> str | None:
     """Load (building if needed) the extension; None when it is usable, else why not."""
-    need = {"avx512f", "avx512bw", "avx512_bf16", "f16c"}
-    missing = need - _cpu_flags()
+    need, flags = {"avx512f", "avx512bw", "avx512_bf16", "f16c"}, _cpu_flags()
+    if not flags:
+        return "this CPU's instruction sets cannot be read (no /proc/cpuinfo)"
+    missing = need - flags
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
     try:
         from torch.utils.cpp_extension import load
 
-        load("dart_lab_q4mm", [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        # -fopenmp: at::parallel_for is inline and splits work over OpenMP threads only when built with it
+        load("dart_lab_q4mm", [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, a failed build: the path is simply not offered
         return f"building {_SOURCE.name} failed: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
 

@@ -78,7 +78,8 @@ def main(argv=None) -> int:
                            PackedLinear(SimpleNamespace(weight=w.to(torch.bfloat16), bias=None))))
     hw = model.lm_head.weight.detach()
     g8 = int8_groups(hw)
-    head = (hw, Int4Linear.of_8bit(model.lm_head, groups=g8), q4.Q4Linear.of_groups(Int4Linear.halves_of(*g8), halves=2),
+    head = (hw, Int4Linear.of_8bit(model.lm_head, groups=g8),
+            q4.Q4Linear.of_groups(Int4Linear.halves_of(*g8), halves=2),
             PackedLinear(SimpleNamespace(weight=hw.to(torch.bfloat16), bias=None)))
     names = ("torch int4", "ours", "bf16")
 
