@@ -40,7 +40,9 @@ def _build() -> str | None:
         from torch.utils.cpp_extension import load
 
         # -fopenmp: at::parallel_for is inline and splits work over OpenMP threads only when built with it
-        load("dart_lab_q4mm", [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        # one build per torch version (an extension built against another torch's headers may not load)
+        name = "dart_lab_q4mm_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+        load(name, [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, a failed build: the path is simply not offered
         return f"building {_SOURCE.name} failed: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
