@@ -356,6 +356,33 @@ def test_int4_steps_on_our_kernel_are_the_grid_with_bf16_inputs(monkeypatch, tmp
     assert i is None or ar.margins[i] <= NEAR_TIE_LOGITS
 
 
+def test_int4_without_our_kernel_runs_on_torchs(monkeypatch, tmp_path):
+    """Where our kernel cannot be built (a CPU without AVX512-BF16, no compiler: `q4.reason()` says why), it is
+    never offered, however fast a clock would call it: every 4-bit linear takes torch's kernel, as the
+    all-4-bit target does, with the same logits."""
+    from dart_lab import fast_llama, machine
+    if not fast_llama.can_int4(torch.device("cpu")):
+        pytest.skip("this torch has no CPU int4 kernel")
+    monkeypatch.setitem(q4._state, "reason", "stand-in: this CPU lacks avx512_bf16")
+    cost = {"int4": lambda r: r, "q4": lambda r: r / 10, "q4 halves": lambda r: r / 10, "fp16": lambda r: r,
+            "fp32": lambda r: 4 + r / 8}  # wide forwards (the prompt) dense, as the all-4-bit target runs them
+    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
+    monkeypatch.setattr(machine, "LoadMeter", _Quiet)
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    _as_4bit_grids(model)
+    four, measured = make_target(model, runner="fast"), make_target(model, runner="fast")
+    four.weights, four.int4_paths = "int4", "4bit"
+    measured.weights = "int4"
+    layers, head = measured._int4()
+    assert not q4.available() and all(p.table == ((1, "int4"), (8, "fp32")) for row in layers for p in row)
+    assert "q4 halves" not in head.paths and head.path(1) == "fp16"
+    prompt, one = torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2]), Tree(torch.tensor([7]), torch.tensor([-1]))
+    for t in (four, measured):
+        t.prefill(prompt)
+    torch.testing.assert_close(measured.verify(one).logits, four.verify(one).logits, atol=0, rtol=0)
+
+
 @pytest.mark.slow  # torch.compile: tens of seconds
 def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch, tmp_path):
     """Compiled 4-bit steps with int4_paths "measured" follow the same per-row-count tables as eager ones
