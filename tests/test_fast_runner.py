@@ -237,21 +237,30 @@ class _Quiet:
         pass
 
 
+def _grid_model_on_clock(monkeypatch, tmp_path, cost: dict):
+    """A tiny Llama with 4-bit grids (`_as_4bit_grids`) whose int4 paths are timed by a stand-in clock
+    (`cost`: path name -> rows -> ms; any other path 1e3), the run counted as a quiet machine's, into a fresh
+    cache folder."""
+    from dart_lab import fast_llama, machine
+    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
+    monkeypatch.setattr(machine, "LoadMeter", _Quiet)
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    _as_4bit_grids(model)
+    return model
+
+
 def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, tmp_path):
     """int4_paths "measured" (`fast_llama.int4_by_rows`): each linear runs, per row count, the path timed
     fastest -- here a stand-in clock where 4 bits cost r and the dense weights 4 + r/8 -- so narrow steps
     read 4 bits and wide ones the dense weights: a one-token step equals the all-4-bit target's, an 8-node
     tree the dense fp32 runner's; AR and speculation then run two arithmetics and part only at near-ties."""
-    from dart_lab import fast_llama, machine
+    from dart_lab import fast_llama
     from dart_lab.bench import NEAR_TIE_LOGITS
     if not fast_llama.can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     cost = {"int4": lambda r: r, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5, "fp32": lambda r: 4 + r / 8}
-    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
-    monkeypatch.setattr(machine, "LoadMeter", _Quiet)  # the stand-in clock's run counts as a quiet machine
-    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
-    model = tiny_model("llama")
-    _as_4bit_grids(model)
+    model = _grid_model_on_clock(monkeypatch, tmp_path, cost)
     dense, four, measured = (make_target(model, runner="fast") for _ in range(3))
     four.weights, four.int4_paths = "int4", "4bit"
     measured.weights = "int4"
@@ -329,16 +338,11 @@ def test_int4_steps_on_our_kernel_are_the_grid_with_bf16_inputs(monkeypatch, tmp
     """Where our kernel measures fastest (stand-in clock) every 4-bit linear takes it: a one-token step and an
     8-node tree equal the dense fp32 runner's within x's bf16 rounding alone (tighter than torch's int4
     kernel allows), and greedy speculation equals greedy AR but at near-ties."""
-    from dart_lab import fast_llama, machine
     from dart_lab.bench import NEAR_TIE_LOGITS
     if not q4.available():
         pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
     cost = {"q4": lambda r: r, "fp16": lambda r: r}
-    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
-    monkeypatch.setattr(machine, "LoadMeter", _Quiet)
-    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
-    model = tiny_model("llama")
-    _as_4bit_grids(model)
+    model = _grid_model_on_clock(monkeypatch, tmp_path, cost)
     dense, measured = make_target(model, runner="fast"), make_target(model, runner="fast")
     measured.weights = "int4"
     layers, _ = measured._int4()
@@ -360,17 +364,13 @@ def test_int4_without_our_kernel_runs_on_torchs(monkeypatch, tmp_path):
     """Where our kernel cannot be built (a CPU without AVX512-BF16, no compiler: `q4.reason()` says why), it is
     never offered, however fast a clock would call it: every 4-bit linear takes torch's kernel, as the
     all-4-bit target does, with the same logits."""
-    from dart_lab import fast_llama, machine
+    from dart_lab import fast_llama
     if not fast_llama.can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     monkeypatch.setitem(q4._state, "reason", "stand-in: this CPU lacks avx512_bf16")
     cost = {"int4": lambda r: r, "q4": lambda r: r / 10, "q4 halves": lambda r: r / 10, "fp16": lambda r: r,
             "fp32": lambda r: 4 + r / 8}  # wide forwards (the prompt) dense, as the all-4-bit target runs them
-    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
-    monkeypatch.setattr(machine, "LoadMeter", _Quiet)
-    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
-    model = tiny_model("llama")
-    _as_4bit_grids(model)
+    model = _grid_model_on_clock(monkeypatch, tmp_path, cost)
     four, measured = make_target(model, runner="fast"), make_target(model, runner="fast")
     four.weights, four.int4_paths = "int4", "4bit"
     measured.weights = "int4"
@@ -389,17 +389,13 @@ def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch,
     (`StepGraph._measured_paths`): with a stand-in clock where 8+ rows run the dense fp32 weights, an 8-node
     verify compiled equals the eager one (fp32, not the 4-bit kernel's bf16 arithmetic) and a one-token
     step stays in 4 bits."""
-    from dart_lab import fast_llama, machine
+    from dart_lab import fast_llama
     if not fast_llama.can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     # narrow steps in 4 bits: our kernel (q4.py) where this CPU builds it, else torch's
     cost = {"int4": lambda r: r, "q4": lambda r: r - 0.5, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5,
             "fp32": lambda r: 4 + r / 8}
-    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
-    monkeypatch.setattr(machine, "LoadMeter", _Quiet)
-    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
-    model = tiny_model("llama")
-    _as_4bit_grids(model)
+    model = _grid_model_on_clock(monkeypatch, tmp_path, cost)
     target = make_target(model, runner="fast")
     target.weights = "int4"
     narrow = "q4" if q4.available() else "int4"
