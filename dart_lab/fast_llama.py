@@ -285,9 +285,7 @@ def int4_projections(model) -> tuple[list, object, dict]:
         if grid is not None:
             n4 += 1
             lin = Int4Linear.of(*mods, groups=grid)
-            # our kernel over the same groups, where this CPU builds it: a path `int4_by_rows` times
-            bias = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
-            lin.q4 = Q4Linear.of_groups(grid, bias)
+            lin.q4 = Q4Linear.of_groups(grid, lin.b)  # our kernel over the same groups: a path `int4_by_rows` times
             read += lin.weight_bytes
             return lin
         read += w.numel() * w.element_size()
@@ -310,8 +308,7 @@ def int4_projections(model) -> tuple[list, object, dict]:
     one_row = {name: lambda x: F.linear(x.to(half), head_w, head_b)}
     head = ByRows(one_row, ((1, name),)) if rows8 is None else \
         ByRows({**one_row, "int8 halves": rows8}, ((1, name), (2, "int8 halves")))
-    q4_head = None if grid8 is None else Q4Linear.of_groups(
-        Int4Linear.halves_of(*grid8), None if model.lm_head.bias is None else model.lm_head.bias.detach(), halves=2)
+    q4_head = None if rows8 is None else Q4Linear.of_groups(Int4Linear.halves_of(*grid8), rows8.b, halves=2)
     if q4_head is not None:  # the same halves through our kernel: a path `int4_by_rows` times
         head.paths["q4 halves"] = q4_head
     head_kind = name if rows8 is None else f"{name} (1 row), int8 as two 4-bit halves (2+ rows)"
@@ -648,7 +645,7 @@ class FastTarget(Target):
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
-    # one more measured path, for the LM head's halves too)
+    # one more measured path; 7: the LM head's halves on it too)
     int4_revision = 7
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
