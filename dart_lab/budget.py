@@ -109,6 +109,7 @@ def fingerprint(target) -> dict:
             "hidden": target.hidden_size, "dtype": getattr(target, "precision", str(target.dtype)), "runner": getattr(target, "runner", "hf"),
             "packed_weights": getattr(target, "packs_weights", False),
             "attention_dtype": str(getattr(target, "cache_dtype", target.dtype)),
+            "attention_kernel_nodes": getattr(target, "attention_nodes", 0),  # steps on our kernel (attention.py)
             "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve
             "compiled": ({"node_buckets": list(target.node_buckets), "key_bucket": target.key_bucket}
                          if getattr(target, "compile", False) else False),

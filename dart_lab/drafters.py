@@ -41,32 +41,56 @@ class HeadDrafter(Drafter):
 
     def begin(self, target, ids, aux):
         self.eos = target.eos_ids
-        self.kv = None
         self.n_cached = 0
-        self.pending = []
+        self._kv = None  # the head's cache: (k, v) buffers (1, kv_heads, capacity, hd), [:n_cached] filled
+        self._aux, self._n_aux, self._next = None, 0, []  # queued positions: aux buffer (capacity, 3H), ids
         self.observe(ids, aux)
+
+    @property
+    def kv(self):
+        """The head's cached prefix (k, v), (1, kv_heads, n_cached, hd) each, or None before the first feed."""
+        return None if self._kv is None else (self._kv[0][:, :, :self.n_cached], self._kv[1][:, :, :self.n_cached])
 
     def observe(self, ids, aux):
         """Queue the accepted positions' aux (n, 3H) and the token after each position for the next head
         forward; positions a step did not feed (a drafter may skip the head: a batch without trees) stay
-        queued in order, as chunks joined once when fed (not re-copied every step)."""
-        self.pending.append((aux, list(ids[-aux.shape[0]:])))
+        queued in order. Both the queue and the head's cache are buffers that grow by doubling, so a long
+        run of steps without a head forward keeps no tensor per step alive and copies nothing per step."""
+        k = aux.shape[0]
+        self._aux = _grown(self._aux, self._n_aux, self._n_aux + k, aux, self.head.fc.weight.dtype, dim=0)
+        self._aux[self._n_aux:self._n_aux + k] = aux
+        self._n_aux += k
+        self._next.extend(ids[-k:])
 
     def feed_inputs(self, extra_positions: int = 0):
-        """The pending prefix as head inputs: aux (1, n, 3H) in the head's dtype, next ids (1, n),
+        """The queued prefix as head inputs: aux (1, n, 3H) in the head's dtype, next ids (1, n),
         positions (n + extra_positions,) continuing the head's cache."""
-        aux = self.pending[0][0] if len(self.pending) == 1 else torch.cat([a for a, _ in self.pending])
-        nxt = [t for _, ids in self.pending for t in ids]
-        dev = aux.device
-        n = aux.shape[0]
+        n, dev = self._n_aux, self._aux.device
         positions = torch.arange(self.n_cached, self.n_cached + n + extra_positions, device=dev)
-        return aux[None].to(self.head.fc.weight.dtype), torch.as_tensor(nxt, dtype=torch.long, device=dev)[None], positions
+        return self._aux[None, :n], torch.as_tensor(self._next, dtype=torch.long, device=dev)[None], positions
 
     def keep_prefix_kv(self, kv) -> None:
-        """Append the fed prefix positions' (k, v) to the head's cache for good."""
-        self.kv = kv if self.kv is None else (torch.cat([self.kv[0], kv[0]], -2), torch.cat([self.kv[1], kv[1]], -2))
-        self.n_cached += kv[0].shape[-2]
-        self.pending = []
+        """Append the fed prefix positions' (k, v) (1, kv_heads, n, hd) to the head's cache for good."""
+        n, end = kv[0].shape[-2], self.n_cached + kv[0].shape[-2]
+        self._kv = tuple(_grown(None if self._kv is None else self._kv[i], self.n_cached, end, kv[i], kv[i].dtype, dim=2)
+                         for i in range(2))
+        self._kv[0][:, :, self.n_cached:end], self._kv[1][:, :, self.n_cached:end] = kv
+        self.n_cached = end
+        self._n_aux, self._next = 0, []
+
+
+def _grown(buf: torch.Tensor | None, filled: int, need: int, like: torch.Tensor, dtype: torch.dtype, dim: int
+           ) -> torch.Tensor:
+    """`buf` if it holds `need` entries along `dim`, else a buffer of twice that (at least 64), shaped as
+    `like` elsewhere, in `dtype`, with buf's first `filled` entries copied over."""
+    if buf is not None and buf.shape[dim] >= need and buf.dtype == dtype and buf.device == like.device:
+        return buf
+    shape = list(like.shape)
+    shape[dim] = max(2 * need, 64)
+    out = torch.empty(shape, dtype=dtype, device=like.device)
+    if buf is not None and filled:
+        out.narrow(dim, 0, filled).copy_(buf.narrow(dim, 0, filled))
+    return out
 
 
 class DartDrafter(HeadDrafter):

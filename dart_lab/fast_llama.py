@@ -6,8 +6,9 @@ through the HF public forward is overhead -- the 4D additive mask HF rebuilds, a
 grows by concatenation every step, the full hidden-states tuple -- not the matmuls. Here:
   - a preallocated KV cache (L, 1, kv_heads, capacity, head_dim) per K and V, written in place;
     compaction of the accepted path is ONE gather/scatter over all layers (`commit`);
-  - tree attention with an additive (N, P+N) mask built once per step, GQA inside SDPA; for a half
-    type on a CPU the cache and the attention are fp32 (SDPA's CPU kernel is faster there);
+  - tree attention with an additive (N, P+N) mask built once per step, GQA without repeating K/V; for a
+    half type on a CPU the cache and the attention are fp32 (the CPU kernels are faster there); steps of a
+    few nodes a row on our attention kernel where it measured faster than SDPA (`attention.attend`);
   - the three aux states taken where they are produced (inputs of layers 2, L//2, L-3);
   - logits only where needed (prefill: the last row unless asked for all);
   - on a CPU, the projections as oneDNN-packed fused weights (q|k|v and gate|up as one matmul each):
@@ -41,6 +42,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from .attention import attend, prepare as prepare_attention
 from .q4 import Q4Linear
 from .target import Target, TargetOutput
 from .tree import Tree
@@ -478,8 +480,7 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         K, V = caches[0][i], caches[1][i]
         K.index_copy_(2, slots, k.to(K.dtype))
         V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
-        o = F.scaled_dot_product_attention(q.to(K.dtype), K[:, :, :n_keys], V[:, :, :n_keys], attn_mask=attn_mask,
-                                           is_causal=causal, scale=scaling, enable_gqa=nkv != nh).to(x.dtype)
+        o = attend(q.to(K.dtype), K, V, attn_mask, n_keys, scaling, causal).to(x.dtype)
         x = x + o_proj(o.transpose(1, 2).reshape(B, N, nh * hd))
         gate, up = gate_up(_rms_norm(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
         x = x + down(layer.mlp.act_fn(gate) * up)
@@ -640,8 +641,9 @@ class FastTarget(Target):
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
     # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
-    # writes by index_copy_; 4: fused norms and one-pass rotation for fp32 activations)
-    runner_revision = 4
+    # writes by index_copy_; 4: fused norms and one-pass rotation for fp32 activations; 5: steps of a few
+    # nodes a row on our attention kernel where it measures faster, attention.py)
+    runner_revision = 5
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
@@ -665,6 +667,9 @@ class FastTarget(Target):
         self.scaling = getattr(att, "scaling", self.head_dim ** -0.5)
         self.qk_norm = hasattr(att, "q_norm")
         self.runner = "fast"
+        # which steps take our attention kernel (attention.py): measured once per process and geometry, here
+        # rather than inside a compiled graph's tracing
+        self.attention_nodes = prepare_attention(self.n_heads, self.n_kv, self.head_dim, self.device)
         self._k = self._v = None
         self._packed, self._packed_key, self._params = None, None, None
         self._int4_packed, self._int4_key, self._int4_rows = None, None, None

@@ -4,61 +4,26 @@ bf16 lookups by x rounded to bf16 with fp32 sums. Faster than torch's int4 CPU k
 weights (torch's rounds each group's scale and zero to bf16; this keeps the GGUF's own fp16 values).
 It is one more path `fast_llama.int4_by_rows` times per row count: taken only where it measures faster.
 
-Built with torch's C++ extension loader the first time a process asks for it (a C++ compiler needed, as
-for `torch.compile` on a CPU; ~25 s, then cached by torch); where it cannot be built or the CPU lacks
-AVX512-BF16, `available()` is False and says why (`reason()`)."""
+Built on first use (`kernels.build`); where it cannot be built or the CPU lacks AVX512-BF16, `available()`
+is False and says why (`reason()`)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("csrc") / "q4mm.cpp"
+from . import kernels
+
 _state: dict = {}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def _build() -> str | None:
-    """Load (building if needed) the extension; None when it is usable, else why not."""
-    need, flags = {"avx512f", "avx512bw", "avx512_bf16", "f16c"}, _cpu_flags()
-    if not flags:
-        return "this CPU's instruction sets cannot be read (no /proc/cpuinfo)"
-    missing = need - flags
-    if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))}"
-    try:
-        from torch.utils.cpp_extension import load
-
-        # -fopenmp: at::parallel_for is inline and splits work over OpenMP threads only when built with it
-        # one build per torch version (an extension built against another torch's headers may not load)
-        name = "dart_lab_q4mm_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-        load(name, [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, a failed build: the path is simply not offered
-        return f"building {_SOURCE.name} failed: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
-
+def _register_fake():
     @torch.library.register_fake("dart_lab::q4mm")
     def _(x, wp, sl, n, halves=1):  # shapes for torch.compile
         return x.new_empty(x.shape[0], n)
 
-    return None
-
 
 def reason() -> str | None:
     """Why the kernel is not available here (None when it is)."""
-    if "reason" not in _state:
-        _state["reason"] = _build()
-    return _state["reason"]
+    return kernels.reason(_state, "q4mm", {"avx512f", "avx512bw", "avx512_bf16", "f16c"}, _register_fake)
 
 
 def available() -> bool:

@@ -441,3 +441,65 @@ def test_compiled_int4_steps_equal_eager_int4():
     torch.testing.assert_close(target.verify(tree).logits, eager, atol=1e-3, rtol=1e-3)
     assert generate(target, prompt, None, cfg).tokens == ar
     assert target.compiled_shapes == {(8, 128)} and target.compile_seconds > 0
+
+
+def test_attention_kernel_is_sdpa_to_fp32_rounding():
+    """Our decoding attention (`dart_lab::decode_attn`, csrc/attention.cpp) against torch's SDPA: grouped
+    query heads, 1-5 nodes a row, a mask per row, one for every row or none, keys read from a longer cache
+    (strided), every head size the kernel has; masked keys weigh exactly 0 (a key masked out cannot move
+    the output, however large its value)."""
+    from dart_lab import attention
+    if not attention.available():
+        pytest.skip(f"our attention kernel is not built here: {attention.reason()}")
+    g = torch.Generator().manual_seed(0)
+    for B, H, Hk, D, N, nk in ((3, 9, 3, 64, 1, 37), (2, 16, 8, 128, 4, 129), (1, 4, 4, 16, 2, 16), (2, 8, 1, 32, 5, 21)):
+        q = torch.randn(B, H, N, D, generator=g)
+        K, V = torch.randn(B, Hk, nk + 7, D, generator=g), torch.randn(B, Hk, nk + 7, D, generator=g)
+        allowed = torch.rand(B, 1, N, nk, generator=g) > 0.3
+        allowed[..., 0] = True
+        mask = torch.zeros(B, 1, N, nk).masked_fill_(~allowed, float("-inf"))
+        for m in (mask, mask[:1], None):
+            got = torch.ops.dart_lab.decode_attn(q, K[:, :, :nk], V[:, :, :nk], m, D ** -0.5)
+            torch.testing.assert_close(got, attention._sdpa(q, K, V, m, nk, D ** -0.5), atol=2e-6, rtol=1e-5)
+        V2 = V.clone()
+        V2[:, :, :nk][~allowed[:, 0, 0, None, :, None].expand(B, Hk, nk, D)] = 1e30  # row 0's masked keys
+        one = lambda V: torch.ops.dart_lab.decode_attn(q[:, :, :1], K[:, :, :nk], V[:, :, :nk], mask[:, :, :1], 0.1)  # noqa: E731
+        assert torch.equal(one(V2), one(V))
+
+
+@pytest.mark.parametrize("nodes", [0, 16])  # SDPA for every step; our kernel up to 16 nodes a row
+def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
+    """Whichever attention `attention.prepare` picks, the lean runner's tree verifies (one row and a batch)
+    equal the model's own forward, and greedy speculation equals AR; with the kernel picked, no step of up
+    to 16 nodes a row goes through SDPA (only prompts and wider trees)."""
+    from conftest import tiny_target
+    from dart_lab import attention
+    from dart_lab.batch import BatchTarget
+    if nodes and not attention.available():
+        pytest.skip(f"our attention kernel is not built here: {attention.reason()}")
+    ref, fast = tiny_target("qwen3", runner="hf"), tiny_target("qwen3", runner="fast")
+    monkeypatch.setitem(attention._state, (fast.n_heads, fast.n_kv, fast.head_dim), nodes)
+    sdpa = attention._sdpa
+    def only_prompts(q, K, V, mask, n_keys, scale, causal=False):
+        assert causal or q.shape[2] > nodes, "a decoding step of the kernel's size went through SDPA"
+        return sdpa(q, K, V, mask, n_keys, scale, causal)
+    monkeypatch.setattr(attention, "_sdpa", only_prompts)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, ref.vocab_size, (11,), generator=g)
+    for n in (1, 3, 9):
+        tree = Tree(torch.randint(2, ref.vocab_size, (n,), generator=g),
+                    torch.tensor([-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n)]))
+        for t in (ref, fast):
+            t.prefill(prompt)
+        torch.testing.assert_close(fast.verify(tree).logits, ref.verify(tree).logits, atol=2e-4, rtol=1e-4)
+    prompts = [prompt, prompt[:6], torch.randint(2, ref.vocab_size, (15,), generator=g)]
+    bt = BatchTarget(fast)
+    bt.prefill(prompts)
+    out = bt.verify([Tree.single(int(p[-1])) for p in prompts])
+    for p, logits in zip(prompts, out.logits):
+        ref.prefill(p)
+        torch.testing.assert_close(logits, ref.verify(Tree.single(int(p[-1]))).logits, atol=2e-4, rtol=1e-4)
+    cfg = GenerationConfig(max_new_tokens=16)
+    ar = generate(fast, prompt, None, cfg)
+    oracle = OracleDrafter(prompt.tolist() + ar.tokens, fast.vocab_size)
+    assert generate(fast, prompt, oracle, cfg).tokens == ar.tokens == generate(ref, prompt, None, cfg).tokens

@@ -127,7 +127,7 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
 
 }  // namespace
 
-TORCH_LIBRARY(dart_lab, m) {
+TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
   m.def("q4mm(Tensor x, Tensor wp, Tensor sl, int n, int halves=1) -> Tensor");
 }
 

@@ -1,0 +1,92 @@
+"""A decoding step's attention against the K/V cache: our kernel (`csrc/attention.cpp`, `dart_lab::decode_attn`)
+for steps of a few positions a row, torch's SDPA for everything else (a prompt, a wide tree, other devices).
+
+Why: torch's CPU SDPA kernel is built for long queries; a step of 1-4 new positions a row spends most of
+its time outside the arithmetic and reads the cache at a fraction of the memory's speed -- a visible share
+of a one-token step, and the largest single cost of a batched one (docs/speed.md). Ours reads each row's
+K and V once for all the query heads sharing them, in fp32 with an exact softmax; it is used up to the
+largest node count a row at which it measured faster than SDPA on this machine (`prepare`, once per
+process and head geometry), so a CPU where it loses never takes it. Built on first use
+(`kernels.build`); it needs AVX-512 (`reason()` says why it is absent).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+
+_state: dict = {}  # "reason": why the kernel is absent (None: built); (heads, kv_heads, head_dim): max nodes
+NODE_COUNTS = (1, 2, 4, 8, 16)  # nodes a row at which `prepare` times both
+HEAD_DIMS = (16, 32, 64, 128)  # the kernel's
+
+
+def _register_fake():
+    @torch.library.register_fake("dart_lab::decode_attn")
+    def _(q, k, v, mask, scale):  # shapes for torch.compile
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def reason() -> str | None:
+    """Why our kernel is not available here (None when it is)."""
+    return kernels.reason(_state, "attention", {"avx512f"}, _register_fake)
+
+
+def available() -> bool:
+    return reason() is None
+
+
+def _sdpa(q, K, V, mask, n_keys: int, scale: float, causal: bool = False) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, K[:, :, :n_keys], V[:, :, :n_keys], attn_mask=mask, is_causal=causal,
+                                          scale=scale, enable_gqa=K.shape[1] != q.shape[1])
+
+
+@torch.no_grad()
+def prepare(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> int:
+    """The most nodes a row for which our kernel is taken with this head geometry (0: never), measured once
+    per process: one row over 256 cached keys of 8 layers' caches (each read from memory, as in a step),
+    both kernels interleaved, the faster of 3 rounds, at each of NODE_COUNTS; the kernel is kept up to the
+    first count where SDPA is as fast."""
+    key = (heads, kv_heads, head_dim)
+    if key in _state:
+        return _state[key]
+    if torch.device(device).type != "cpu" or head_dim not in HEAD_DIMS or heads % kv_heads or not available():
+        _state[key] = 0
+        return 0
+    g = torch.Generator().manual_seed(0)
+    nk, layers = 256, 8
+    caches = [(torch.randn(1, kv_heads, 2 * nk, head_dim, generator=g),
+               torch.randn(1, kv_heads, 2 * nk, head_dim, generator=g)) for _ in range(layers)]
+    best = 0
+    for n in NODE_COUNTS:
+        q = torch.randn(1, heads, n, head_dim, generator=g)
+        mask = torch.zeros(1, 1, n, nk)
+        mask[..., nk - n:] = torch.zeros(n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        ours = lambda: [torch.ops.dart_lab.decode_attn(q, K[:, :, :nk], V[:, :, :nk], mask, 0.125) for K, V in caches]  # noqa: E731
+        sdpa = lambda: [_sdpa(q, K, V, mask, nk, 0.125) for K, V in caches]  # noqa: E731
+        times = {ours: [], sdpa: []}
+        for _ in range(4):
+            for f in times:
+                t0 = time.perf_counter()
+                f()
+                times[f].append(time.perf_counter() - t0)
+        if min(times[ours][1:]) >= min(times[sdpa][1:]):  # round 0 warms up
+            break
+        best = n
+    _state[key] = best
+    return best
+
+
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, n_keys: int, scale: float,
+           causal: bool = False) -> torch.Tensor:
+    """softmax(q K^T * scale + mask) V over cache slots [0, n_keys): q (B, H, N, D); K, V (B, Hk, capacity, D);
+    mask (B or 1, 1, N, n_keys) additive, or None (every key; `causal`: a prompt's causal mask). Returns
+    (B, H, N, D). Our kernel where `prepare` measured it faster for N nodes a row, else SDPA."""
+    B, H, N, D = q.shape
+    if (not causal and N <= _state.get((H, K.shape[1], D), 0) and q.dtype == torch.float32 and K.dtype == torch.float32
+            and q.device.type == "cpu"):
+        return torch.ops.dart_lab.decode_attn(q, K[:, :, :n_keys], V[:, :, :n_keys], mask, scale)
+    return _sdpa(q, K, V, mask, n_keys, scale, causal)

@@ -1,0 +1,203 @@
+// dart_lab::decode_attn -- attention of a few new positions per row against a K/V cache, for decoding
+// steps and small trees on CPUs with AVX-512 (built on first use: dart_lab/attention.py).
+//
+// Why: torch's CPU SDPA kernel is written for long queries; for a step of 1-4 positions a row it spends
+// most of its time outside the arithmetic, reading the cache at a fraction of the memory's speed. Here
+// each (row, key head) reads its K and V once, for all the query heads that share them (grouped-query
+// attention without repeating K/V): scores, an exact softmax (max subtracted, fp32), then the weighted sum
+// of V. Masked keys (-inf) weigh exactly 0.
+//
+// Shapes: q (B, H, N, D) fp32; k, v (B, Hk, n_keys, D) fp32 with D contiguous (views of a longer cache are
+// fine); mask (B or 1, 1, N, n_keys) additive fp32 or none (every key visible); H a multiple of Hk; D = 16,
+// 32, 64 or 128.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// e^x for x <= 0 (scores minus their max): 2^n e^r with r = x - n ln2, a degree-6 polynomial (Cephes'
+// expf coefficients, ~1 ulp); below -87.3 (e^x under float's normal range, and -inf) exactly 0
+__attribute__((target("avx512f")))
+inline __m512 exp_nonpos(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// the sums of a, b, c and d's 16 lanes each, as one 4-lane vector
+__attribute__((target("avx512f")))
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // 128-bit quarters: ab = [a0+a2, a1+a3, b0+b2, b1+b3], cd alike; then [a, b, c, d] one quarter each
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+  __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4e));  // within each quarter: [x0+x2, x1+x3, ...]
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));  // element 0 of each quarter: its 4 lanes' sum
+  const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, t));
+}
+
+constexpr int kRowsPerPass = 4;  // query rows sharing one pass over K and over V
+
+struct Geometry {
+  int64_t H, N, Hk, G, nk;
+  int64_t kb, kh, kr, vb, vh, vr;  // K and V strides: row, head, key
+  int64_t mb, mn;                  // mask strides: row (0: one mask for every row), query position
+};
+
+// One (batch row b, key head g): the G query heads sharing it x N positions (R = G N rows, contiguous in q
+// and out; row r is position r % N). C = D / 16 vectors a head.
+template <int C>
+__attribute__((target("avx512f")))
+void head_group(const Geometry& s, const float* q, const float* k, const float* v, const float* mask, float* out,
+                int64_t b, int64_t g, std::vector<float>& sc) {
+  constexpr int D = 16 * C;
+  const int64_t R = s.G * s.N, nk = s.nk;
+  const float* Q = q + (b * s.H + g * s.G) * s.N * D;
+  float* O = out + (b * s.H + g * s.G) * s.N * D;
+  const float* K = k + b * s.kb + g * s.kh;
+  const float* V = v + b * s.vb + g * s.vh;
+  const float* M = mask ? mask + b * s.mb : nullptr;
+  sc.resize(R * nk);
+  std::vector<float> mx(R, -INFINITY), sum(R);
+  // 1. scores (scale already in q): 4 query rows at a time held in registers, each key's 4 dot products
+  // summed together (`sum4`)
+  for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
+    const int64_t rn = std::min<int64_t>(kRowsPerPass, R - r0);
+    __m512 qv[kRowsPerPass][C];
+    for (int i = 0; i < kRowsPerPass; ++i)
+      for (int c = 0; c < C; ++c)
+        qv[i][c] = i < rn ? _mm512_loadu_ps(Q + (r0 + i) * D + 16 * c) : _mm512_setzero_ps();
+    float m4[kRowsPerPass] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int64_t j = 0; j < nk; ++j) {
+      __m512 a[kRowsPerPass];
+      const float* kj = K + j * s.kr;
+      for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        const __m512 kc = _mm512_loadu_ps(kj + 16 * c);
+        for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_fmadd_ps(qv[i][c], kc, a[i]);
+      }
+      float x[4];
+      _mm_storeu_ps(x, sum4(a[0], a[1], a[2], a[3]));
+      for (int i = 0; i < rn; ++i) {
+        const int64_t r = r0 + i;
+        const float xi = M ? x[i] + M[(r % s.N) * s.mn + j] : x[i];
+        sc[r * nk + j] = xi;
+        m4[i] = std::max(m4[i], xi);
+      }
+    }
+    for (int i = 0; i < rn; ++i) mx[r0 + i] = m4[i];
+  }
+  // 2. softmax numerators and sums
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = sc.data() + r * nk;
+    const __m512 m = _mm512_set1_ps(mx[r]);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= nk; j += 16) {
+      const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
+      _mm512_storeu_ps(sr + j, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    if (j < nk) {
+      const __mmask16 tail = (__mmask16)((1u << (nk - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), m)));
+      _mm512_mask_storeu_ps(sr + j, tail, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    sum[r] = _mm512_reduce_add_ps(acc);
+  }
+  // 3. out = softmax-weighted sum of V
+  for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
+    const int64_t rn = std::min<int64_t>(kRowsPerPass, R - r0);
+    __m512 o[kRowsPerPass][C];
+    for (int i = 0; i < kRowsPerPass; ++i)
+      for (int c = 0; c < C; ++c) o[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; ++j) {
+      __m512 vj[C];
+      for (int c = 0; c < C; ++c) vj[c] = _mm512_loadu_ps(V + j * s.vr + 16 * c);
+      for (int i = 0; i < rn; ++i) {
+        const __m512 p = _mm512_set1_ps(sc[(r0 + i) * nk + j]);
+        for (int c = 0; c < C; ++c) o[i][c] = _mm512_fmadd_ps(p, vj[c], o[i][c]);
+      }
+    }
+    for (int i = 0; i < rn; ++i) {
+      const __m512 inv = _mm512_set1_ps(1.0f / sum[r0 + i]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(O + (r0 + i) * D + 16 * c, _mm512_mul_ps(o[i][c], inv));
+    }
+  }
+}
+
+at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attn: q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attn: q, k, v must be float32");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attn: CPU tensors only");
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Hk = k.size(1);
+  TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128, "decode_attn: head_dim must be 16, 32, 64 or 128");
+  const int64_t n_keys = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hk && v.size(2) == n_keys && k.size(3) == D &&
+              v.size(3) == D, "decode_attn: k and v must be (B, Hk, n_keys, D) as q");
+  TORCH_CHECK(Hk > 0 && H % Hk == 0, "decode_attn: query heads must be a multiple of key heads");
+  TORCH_CHECK(n_keys >= 1, "decode_attn: no keys");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attn: k and v need contiguous head_dim");
+  const bool masked = mask.has_value() && mask->defined();
+  at::Tensor m;
+  if (masked) {
+    m = mask->contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kFloat && m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) &&
+                m.size(1) == 1 && m.size(2) == N && m.size(3) == n_keys,
+                "decode_attn: mask must be (B or 1, 1, N, n_keys) float32");
+  }
+  const at::Tensor qs = (q * scale).contiguous();  // the scale applied once, as SDPA scales q
+  auto out = at::empty({B, H, N, D}, q.options());
+  Geometry s{H, N, Hk, H / Hk, n_keys,
+             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+             masked && m.size(0) == B ? m.stride(0) : 0, masked ? m.stride(2) : 0};
+  const float* qp = qs.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* mp = masked ? m.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  // one task a (row, key head): splitting a group's query heads over threads reads K and V once per
+  // query head, which measured slower for one-token steps even where it left a thread idle
+  at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> sc;
+    for (int64_t t = t0; t < t1; ++t) {
+      switch (D) {
+        case 16: head_group<1>(s, qp, kp, vp, mp, op, t / Hk, t % Hk, sc); break;
+        case 32: head_group<2>(s, qp, kp, vp, mp, op, t / Hk, t % Hk, sc); break;
+        case 64: head_group<4>(s, qp, kp, vp, mp, op, t / Hk, t % Hk, sc); break;
+        default: head_group<8>(s, qp, kp, vp, mp, op, t / Hk, t % Hk, sc);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
+  m.def("decode_attn(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
+  m.impl("decode_attn", &decode_attn);
+}

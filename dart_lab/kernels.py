@@ -1,0 +1,56 @@
+"""Our C++ kernels (`dart_lab/csrc/*.cpp`, ops in the `dart_lab` namespace): each built with torch's C++
+extension loader the first time a process asks for it (a C++ compiler needed, as for `torch.compile` on a
+CPU; ~10-25 s, then cached by torch, one build per torch version), and only on a CPU that has the
+instruction sets it is written for. Users: `q4.py` (a 4-bit weight-only matmul), `attention.py` (a
+decoding step's attention)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo), empty where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def build(stem: str, need: set[str]) -> str | None:
+    """Load (building if needed) `csrc/<stem>.cpp`; None when its ops are usable, else why not."""
+    source, flags = CSRC / f"{stem}.cpp", cpu_flags()
+    if not flags:
+        return "this CPU's instruction sets cannot be read (no /proc/cpuinfo)"
+    missing = need - flags
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        # -fopenmp: at::parallel_for is inline and splits work over OpenMP threads only when built with it
+        # one build per torch version (an extension built against another torch's headers may not load)
+        name = f"dart_lab_{stem}_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+        load(name, [str(source)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, a failed build: the kernel is simply not offered
+        return f"building {source.name} failed: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
+    return None
+
+
+def reason(state: dict, stem: str, need: set[str], register_fake) -> str | None:
+    """Why the kernel of `csrc/<stem>.cpp` is not usable here (None when it is), kept in `state["reason"]`:
+    built on the first call, its ops' shapes then registered for torch.compile (`register_fake()`)."""
+    if "reason" not in state:
+        why = build(stem, need)
+        if why is None:
+            register_fake()
+        state["reason"] = why
+    return state["reason"]
