@@ -80,6 +80,16 @@ def prepare(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> i
     return best
 
 
+def override(heads: int, kv_heads: int, head_dim: int, nodes: int | None) -> None:
+    """Take our kernel up to `nodes` nodes a row for this head geometry (0: SDPA for every step), or None: forget
+    it, so the next `prepare` measures again -- for A/B timings and tests. A compiled step keeps what it was
+    traced with."""
+    if nodes is None:
+        _state.pop((heads, kv_heads, head_dim), None)
+    else:
+        _state[(heads, kv_heads, head_dim)] = nodes
+
+
 def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, n_keys: int, scale: float,
            causal: bool = False) -> torch.Tensor:
     """softmax(q K^T * scale + mask) V over cache slots [0, n_keys): q (B, H, N, D); K, V (B, Hk, capacity, D);

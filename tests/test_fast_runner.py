@@ -478,7 +478,7 @@ def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
     if nodes and not attention.available():
         pytest.skip(f"our attention kernel is not built here: {attention.reason()}")
     ref, fast = tiny_target("qwen3", runner="hf"), tiny_target("qwen3", runner="fast")
-    monkeypatch.setitem(attention._state, (fast.n_heads, fast.n_kv, fast.head_dim), nodes)
+    monkeypatch.setitem(attention._state, (fast.n_heads, fast.n_kv, fast.head_dim), nodes)  # restored after
     sdpa = attention._sdpa
     def only_prompts(q, K, V, mask, n_keys, scale, causal=False):
         assert causal or q.shape[2] > nodes, "a decoding step of the kernel's size went through SDPA"
