@@ -2,9 +2,10 @@
 (`--compile`: one shape compiled first), after a random prompt; plus the wall time of verify + commit
 against the compiled graph's call alone (the Python around the graph).
 
-    python experiments/engine/step_profile.py [--dtype int4] [--compile] [--steps 40] [--rows 20] [--nodes 1]
+    python experiments/engine/step_profile.py [--dtype int4] [--compile] [--steps 40] [--rows 20] [--nodes 1] [--sdpa]
 
-`--nodes N` verifies a chain of N nodes per step instead of one token (what a tree of N costs, per op).
+`--nodes N` verifies a chain of N nodes per step instead of one token (what a tree of N costs, per op);
+`--sdpa`: attention through torch's SDPA at every step, not our kernel (`dart_lab/attention.py`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from dart_lab import attention  # noqa: E402
 from dart_lab.loading import load_target  # noqa: E402
 from dart_lab.tree import Tree  # noqa: E402
 
@@ -30,8 +32,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=20, help="ops listed")
     ap.add_argument("--context", type=int, default=150)
     ap.add_argument("--nodes", type=int, default=1, help="a chain of this many nodes per verify")
+    ap.add_argument("--sdpa", action="store_true", help="torch's SDPA for every step's attention")
     args = ap.parse_args(argv)
     t = load_target("smollm2-135m", dtype=args.dtype)
+    if args.sdpa:
+        attention.override(t.n_heads, t.n_kv, t.head_dim, 0)
     t.compile = args.compile
     P = args.context
     t.prefill(torch.randint(100, 40000, (P,), generator=torch.Generator().manual_seed(0)))
