@@ -113,8 +113,7 @@ def time_stages(device, dtype, shape: dict, sizes, repeats: int, prompt_len: int
             draft.append((b - a) * 1e3)
             search.append((c - b) * 1e3)
         drafter.observe(ids, out.aux[-1:])  # feed one position again: a steady-state round
-        drafter.n_cached -= 1
-        drafter.kv = (drafter.kv[0][:, :, :-1], drafter.kv[1][:, :, :-1])
+        drafter.n_cached -= 1  # the head's cache is read up to n_cached: the fed position is dropped
     return {"runner": target.runner, "verify_ms": verify_ms, "draft_ms": statistics.median(draft),
             "search_ms": statistics.median(search), "timing_s": round(time.perf_counter() - t0, 1),
             "_target": target, "_head": head, "_ngram": ng}
