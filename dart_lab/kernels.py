@@ -2,7 +2,7 @@
 extension loader the first time a process asks for it (a C++ compiler needed, as for `torch.compile` on a
 CPU; ~10-25 s, then cached by torch, one build per torch version), and only on a CPU that has the
 instruction sets it is written for. Users: `q4.py` (a 4-bit weight-only matmul), `attention.py` (a
-decoding step's attention)."""
+decoding step's attention), `fast_llama._rms_norm` (`rms_norm_here`: an eager step's norms)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -54,3 +54,12 @@ def reason(state: dict, stem: str, need: set[str], register_fake) -> str | None:
             register_fake()
         state["reason"] = why
     return state["reason"]
+
+
+_norm: dict = {}
+
+
+def rms_norm_here() -> bool:
+    """Whether `dart_lab::rms_norm` (csrc/norm.cpp: F.rms_norm's arithmetic in one pass a row, fp32, AVX-512)
+    is built here. Eager steps only: a compiled graph keeps F.rms_norm, which inductor fuses."""
+    return reason(_norm, "norm", {"avx512f"}, lambda: None) is None

@@ -503,3 +503,19 @@ def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
     ar = generate(fast, prompt, None, cfg)
     oracle = OracleDrafter(prompt.tolist() + ar.tokens, fast.vocab_size)
     assert generate(fast, prompt, oracle, cfg).tokens == ar.tokens == generate(ref, prompt, None, cfg).tokens
+
+
+def test_rms_norm_op_is_torchs_to_fp32_rounding():
+    """Our one-pass norm (`dart_lab::rms_norm`, csrc/norm.cpp; an eager step's norms where it builds) against
+    F.rms_norm: any width (a partial last vector too), any leading shape; contiguous fp32 only."""
+    import torch.nn.functional as F
+    from dart_lab import kernels
+    if not kernels.rms_norm_here():
+        pytest.skip(f"our norm is not built here: {kernels._norm['reason']}")
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 1, 576), (3, 5, 64), (2, 1000), (4, 7)):
+        x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+        torch.testing.assert_close(torch.ops.dart_lab.rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5),
+                                   atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.dart_lab.rms_norm(torch.randn(8, 6).T, torch.randn(8), 1e-5)
