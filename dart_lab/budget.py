@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from . import q4
+from . import kernels, q4
 from .assets import cache_dir
 from .atomic import write_json
 from .machine import LoadMeter
@@ -110,6 +110,7 @@ def fingerprint(target) -> dict:
             "packed_weights": getattr(target, "packs_weights", False),
             "attention_dtype": str(getattr(target, "cache_dtype", target.dtype)),
             "attention_kernel_nodes": getattr(target, "attention_nodes", 0),  # steps on our kernel (attention.py)
+            "norm_kernel": kernels.rms_norm_here() if getattr(target, "runner", "hf") == "fast" else False,
             "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve
             "compiled": ({"node_buckets": list(target.node_buckets), "key_bucket": target.key_bucket}
                          if getattr(target, "compile", False) else False),
