@@ -11,7 +11,6 @@ process and head geometry), so a CPU where it loses never takes it. Built on fir
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch

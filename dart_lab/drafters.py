@@ -71,7 +71,7 @@ class HeadDrafter(Drafter):
 
     def keep_prefix_kv(self, kv) -> None:
         """Append the fed prefix positions' (k, v) (1, kv_heads, n, hd) to the head's cache for good."""
-        n, end = kv[0].shape[-2], self.n_cached + kv[0].shape[-2]
+        end = self.n_cached + kv[0].shape[-2]
         self._kv = tuple(_grown(None if self._kv is None else self._kv[i], self.n_cached, end, kv[i], kv[i].dtype, dim=2)
                          for i in range(2))
         self._kv[0][:, :, self.n_cached:end], self._kv[1][:, :, self.n_cached:end] = kv

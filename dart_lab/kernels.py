@@ -61,5 +61,8 @@ _norm: dict = {}
 
 def rms_norm_here() -> bool:
     """Whether `dart_lab::rms_norm` (csrc/norm.cpp: F.rms_norm's arithmetic in one pass a row, fp32, AVX-512)
-    is built here. Eager steps only: a compiled graph keeps F.rms_norm, which inductor fuses."""
-    return reason(_norm, "norm", {"avx512f"}, lambda: None) is None
+    is built here. Eager steps only: a compiled graph keeps F.rms_norm, which inductor fuses. Asked for each of
+    a step's norms, so after the first call it is one dict lookup."""
+    if "reason" not in _norm:
+        reason(_norm, "norm", {"avx512f"}, lambda: None)
+    return _norm["reason"] is None
