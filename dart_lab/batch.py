@@ -186,22 +186,26 @@ class BatchTarget:
     def commit(self, paths: list[list[int]]) -> None:
         """Row b keeps the K/V of its accepted nodes `paths[b]` (root first) at [lens[b], lens[b] + k_b)."""
         P = self.end
-        moves = []
+        moves = []  # (row, source slots, first destination slot), as Python ints: a batch step makes one tensor
         for b, path in enumerate(paths):
-            idx = torch.as_tensor(path, dtype=torch.long)
-            if len(path) == 0 or int(idx[0]) != 0:
+            path = [int(i) for i in path]
+            if not path or path[0] != 0:
                 raise RuntimeError("an accepted path starts at the root (node 0)")
-            if not (self.lens[b] == P and torch.equal(idx, torch.arange(len(path)))):  # else already in place
-                moves.append((b, (P + idx).to(self.target.device), self.lens[b]))
+            if not (self.lens[b] == P and path == list(range(len(path)))):  # else already in place
+                moves.append((b, [P + i for i in path], self.lens[b]))
             self.lens[b] += len(path)
-        if self.fast:
-            for b, src, at in moves:  # gather first (advanced indexing copies), then write: all layers at once
-                self._k[:, b, :, at:at + len(src)] = self._k[:, b, :, src]
-                self._v[:, b, :, at:at + len(src)] = self._v[:, b, :, src]
-        else:
+        if self.fast and moves:  # every row's moves as one gather (advanced indexing copies) and one write
+            dev = self.target.device
+            row = torch.tensor([b for b, src, _ in moves for _ in src], device=dev)
+            src = torch.tensor([i for _, src, _ in moves for i in src], device=dev)
+            dst = torch.tensor([at + j for _, src, at in moves for j in range(len(src))], device=dev)
+            self._k[:, row, :, dst] = self._k[:, row, :, src]
+            self._v[:, row, :, dst] = self._v[:, row, :, src]
+        elif not self.fast:
             for layer in self.cache.layers:
                 keys, values = layer.keys, layer.values
                 for b, src, at in moves:
+                    src = torch.tensor(src, device=keys.device)
                     keys[b, :, at:at + len(src)] = keys[b, :, src]
                     values[b, :, at:at + len(src)] = values[b, :, src]
         self.end = max(self.lens)
@@ -245,7 +249,15 @@ class BatchTarget:
         self.lens = [self.lens[r] for r in rows]
         self.end = max(self.lens, default=0)
         sel = torch.as_tensor(rows, dtype=torch.long, device=self.target.device)
-        if self.fast:
+        if self.fast and all(a < b for a, b in zip(rows, rows[1:])):
+            # rows only move up (row i <- rows[i] >= i), so in place: only the moved rows' filled slots are
+            # copied, and the cache keeps its capacity as a view of its first len(rows) rows
+            for i, (r, n) in enumerate(zip(rows, self.lens)):
+                if r != i:
+                    self._k[:, i, :, :n] = self._k[:, r, :, :n]
+                    self._v[:, i, :, :n] = self._v[:, r, :, :n]
+            self._k, self._v = self._k[:, :len(rows)], self._v[:, :len(rows)]
+        elif self.fast:
             self._k, self._v = self._k.index_select(1, sel), self._v.index_select(1, sel)
         else:
             for layer in self.cache.layers:

@@ -359,7 +359,7 @@ def _time_path(name: str, fn, x: torch.Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=(1, 2, 4, 8, 16, 32, 64, 256),
+def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=(1, 2, 4, 8, 16, 32, 64, 128, 256),
                     rounds: int = 5) -> tuple[tuple, dict]:
     """paths: name -> the callables of that path, one per layer (or one). Time each path at each row count
     as one sweep through all its callables -- every layer's weights read from memory, as a step reads
@@ -653,8 +653,9 @@ class FastTarget(Target):
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
-    # one more measured path; 7: the LM head's halves on it too)
-    int4_revision = 7
+    # one more measured path; 7: the LM head's halves on it too; 8: 128 rows in the sweep, where prompts
+    # of 100-200 tokens cross from 4 bits to bf16)
+    int4_revision = 8
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
     # arithmetic for AR and trees)

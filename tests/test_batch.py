@@ -99,6 +99,30 @@ def test_batched_verify_logits_equal_each_row_alone():
             torch.testing.assert_close(out.logits[b], alone.logits, atol=2e-4, rtol=1e-4)
 
 
+def test_rows_kept_in_any_order_verify_as_alone():
+    """`keep` (rows leaving the batch): moved up in place (ascending rows) or gathered (any order), each kept
+    row's next verify still equals its row verified alone."""
+    for runner in ("hf", "fast"):
+        target = tiny_target("llama", runner=runner)
+        prompts = prompts_for(target)[:4]
+        for rows in ([1, 3], [3, 0, 2], []):
+            bt = BatchTarget(target)
+            bt.prefill(prompts)
+            bt.verify([Tree.from_paths(int(p[-1]), [[3, 4]]) for p in prompts])
+            bt.commit([[0, 1], [0], [0, 1, 2], [0]])
+            bt.keep(rows)
+            assert bt.batch_size == len(rows)
+            if not rows:
+                continue
+            out = bt.verify([Tree.from_paths(5, [[6]]) for _ in rows])
+            for i, b in enumerate(rows):
+                kept = [int(prompts[b][-1]), 3, 4][:[2, 1, 3, 1][b]]
+                target.prefill(torch.cat([prompts[b], torch.tensor(kept)]))
+                alone = target.verify(Tree.from_paths(5, [[6]]))
+                target.commit([0])
+                torch.testing.assert_close(out.logits[i], alone.logits, atol=2e-4, rtol=1e-4)
+
+
 def test_sampling_rows_follow_the_target_law():
     """T > 0: every row of a batch draws its first two tokens from the target's exact law (chi-square)."""
     target = tiny_target("llama", runner="fast")
