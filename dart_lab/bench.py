@@ -312,6 +312,8 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
             rows = _append_rows(partial, key, rows, [dict(_row(results[m], prompt, m, ar), repeat=rep) for m in order])
 
     by_batch = {}
+    if getattr(target, "compile", False) and max(cfg.batch_sizes) > 1 and progress:
+        say("batch sizes > 1 decode with eager steps: --compile compiles one request's steps only")
     for B in cfg.batch_sizes:
         if B == 1 and 1 in cfg.batch_sizes[:1]:
             continue  # the one-at-a-time loop above
@@ -340,7 +342,9 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                                   " row's place to the next prompt)" if cfg.continuous else
                                   "the prompts in consecutive groups of B decoded together") + ", tokens_per_s ="
                                   " every row's new tokens / the batch's wall time (prefill included), tau per row-step,"
-                                  " verify_ms per batch step, match_ar = every row equals batched AR's row")
+                                  " verify_ms per batch step, match_ar = every row equals batched AR's row" +
+                                  ("; batched steps eager (compiled: one request at a time only)"
+                                   if getattr(target, "compile", False) else ""))
     ar_ms = (by_batch.get("1", {}).get("methods", {}).get("ar") or {}).get("verify_ms")
     if ar_ms:  # how close the one-token step is to reading the weights at the machine's read bandwidth
         read = target.dtype_report.get("int4", {}).get("step_weight_bytes") or weight_bytes(target.model)

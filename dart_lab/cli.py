@@ -59,7 +59,8 @@ def _add_target_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     _add_target_args(p)
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target's steps (fast runner; tens of seconds of compiling per new step shape on a small CPU)")
+                   help="torch.compile the target's steps (fast runner; tens of seconds of compiling per new step shape on a small CPU;"
+                        " one request at a time: batched steps stay eager)")
     add_fields(p, GenerationConfig, skip=("stop_on_eos",))
     add_fields(p, MethodOptions)
 
