@@ -44,6 +44,9 @@ void q4_block(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint
     for (int r = 0; r < M; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
     for (int t = 0; t < 8; ++t) {
       const int64_t quad = g * 8 + t;
+      // 1 KB ahead: with several rows a block's arithmetic is long enough that the hardware prefetcher alone
+      // leaves loads waiting (a prefetch past the end is harmless)
+      _mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);
       __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wb + quad * 32)));
       __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w16, nibble), lut);
       __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w16, 4), lut);
