@@ -18,7 +18,7 @@ _state: dict = {}
 def _register_fake():
     @torch.library.register_fake("dart_lab::q4mm")
     def _(x, wp, sl, n, halves=1):  # shapes for torch.compile
-        return x.new_empty(x.shape[0], n)
+        return x.new_empty(*x.shape[:-1], n)
 
 
 def reason() -> str | None:
@@ -72,14 +72,11 @@ class Q4Linear:
         return self.wp.numel() + 2 * self.sl.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # a one-token step makes 120 of these calls: only the ops needed (a cast or a copy only where x's dtype
-        # or layout asks for it, the op's overload called directly)
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        y = torch.ops.dart_lab.q4mm.default(x2, self.wp, self.sl, self.out_features, self.halves)
+        # a one-token step makes 120 of these calls: only the ops needed (the op takes x's leading shape as it
+        # is, a cast or a copy only where x's dtype or layout asks for it, the op's overload called directly)
+        fp32 = x.dtype == torch.float32
+        y = torch.ops.dart_lab.q4mm.default(x if fp32 and x.is_contiguous() else x.float().contiguous(), self.wp,
+                                            self.sl, self.out_features, self.halves)
         if self.b is not None:
             y = y.add_(self.b)
-        if x.dtype != torch.float32:
-            y = y.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if fp32 else y.to(x.dtype)

@@ -96,14 +96,17 @@ void round_rows(const float* x, int64_t M, int64_t K, uint32_t* xp, float* xs) {
 // halves > 1: W is an 8-bit grid held as 4-bit halves side by side along the inputs (q = 16 hi + lo), x of
 // K / halves inputs read as [x, x] (fast_llama.Int4Linear.of_8bit builds the same groups for torch's kernel)
 at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl, int64_t n, int64_t halves) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "q4mm: x must be a contiguous (M, K) float32 CPU tensor");
-  TORCH_CHECK(halves >= 1 && x.size(1) % 32 == 0, "q4mm: halves >= 1 and x's width a multiple of 32");
-  const int64_t M = x.size(0), Kx = x.size(1), K = Kx * halves;
+  // x (..., K): any leading shape, so a step's (B, N, K) activations need no reshape around the call
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "q4mm: x must be a contiguous (..., K) float32 CPU tensor");
+  TORCH_CHECK(halves >= 1 && x.size(-1) > 0 && x.size(-1) % 32 == 0, "q4mm: halves >= 1 and x's width a positive multiple of 32");
+  const int64_t Kx = x.size(-1), M = x.numel() / Kx, K = Kx * halves;
   TORCH_CHECK(K % 32 == 0 && n % 16 == 0, "q4mm: K must be a multiple of 32 and N of 16");
   TORCH_CHECK(wp.scalar_type() == at::kByte && wp.numel() == n * K / 2, "q4mm: wp is not (N/16, K/4, 32) uint8");
   TORCH_CHECK(sl.scalar_type() == at::kHalf && sl.numel() == n * K / 16, "q4mm: sl is not (N/16, K/32, 2, 16) fp16");
-  auto y = at::empty({M, n}, x.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  auto y = at::empty(shape, x.options());
   if (M == 0) return y;
   std::vector<uint32_t> xp(M * K / 2);
   std::vector<float> xs(M * K / 32);
