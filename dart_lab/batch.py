@@ -202,10 +202,10 @@ class BatchTarget:
             self._k[:, row, :, dst] = self._k[:, row, :, src]
             self._v[:, row, :, dst] = self._v[:, row, :, src]
         elif not self.fast:
+            moves = [(b, torch.tensor(src, device=self.target.device), at) for b, src, at in moves]  # once, not per layer
             for layer in self.cache.layers:
                 keys, values = layer.keys, layer.values
                 for b, src, at in moves:
-                    src = torch.tensor(src, device=keys.device)
                     keys[b, :, at:at + len(src)] = keys[b, :, src]
                     values[b, :, at:at + len(src)] = values[b, :, src]
         self.end = max(self.lens)
