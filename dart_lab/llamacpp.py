@@ -25,7 +25,22 @@ def unavailable_reason(target) -> str | None:
         return "llama-cpp-python is not installed (pip install llama-cpp-python; it builds llama.cpp from source)"
     if gguf_path(target) is None:
         return f"target {target.name!r} has no GGUF file (the embedded target ships one)"
+    if amx_build():
+        return ("llama-cpp-python was built with llama.cpp's AMX matmul, which crashes the process on some AMX CPUs "
+                "(ggml-org/llama.cpp#20824): rebuild it without, e.g. CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON "
+                "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON' "
+                "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
     return None
+
+
+def amx_build() -> bool:
+    """Whether the installed llama.cpp runs its AMX matmul: a build for an AMX CPU (`-march=native`) does, and
+    its tile configuration is invalid there (a general-protection fault in `ggml_backend_amx_mul_mat` at the
+    first forward, which no Python code can catch), so the bench skips it instead of dying with it."""
+    import llama_cpp
+
+    info = getattr(llama_cpp, "llama_print_system_info", lambda: b"")()
+    return b"AMX_INT8 = 1" in (info if isinstance(info, bytes) else str(info).encode())
 
 
 def gguf_path(target):

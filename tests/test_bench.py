@@ -172,7 +172,7 @@ def test_bench_batch_sizes_keep_methods_and_add_by_batch(embedded, tmp_path):
 
 def test_bench_skips_an_outside_engine_that_is_not_installed(embedded, tmp_path, monkeypatch):
     """The optional llamacpp method: without llama-cpp-python the bench runs the other methods and says
-    why it left it out (in the JSON's `skipped`), never fails."""
+    why it left it out (in the JSON's `skipped`), never fails; nor does a build that would crash it."""
     import sys
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
     cfg = BenchConfig(methods=("ar", "llamacpp"), dataset="mt_bench", num_prompts=1, max_new_tokens=4, warmup=0,
@@ -181,6 +181,15 @@ def test_bench_skips_an_outside_engine_that_is_not_installed(embedded, tmp_path,
     assert set(res["methods"]) == {"ar"} and "llama-cpp-python" in res["skipped"]["llamacpp"]
     with pytest.raises(DartLabError, match="llama-cpp-python"):
         make_runner("llamacpp", embedded)
+    # a build whose AMX matmul would kill the process at its first forward is skipped the same way
+    import types
+    from dart_lab.llamacpp import unavailable_reason
+    amx = types.SimpleNamespace(llama_print_system_info=lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | ")
+    monkeypatch.setitem(sys.modules, "llama_cpp", amx)
+    res = run_bench(cfg, tmp_path / "c.json", target=embedded, progress=False)
+    assert set(res["methods"]) == {"ar"} and "AMX" in res["skipped"]["llamacpp"]
+    amx.llama_print_system_info = lambda: b"CPU : AVX512 = 1 | "
+    assert unavailable_reason(embedded) is None
 
 
 def test_the_outside_engine_prefills_every_prompt_from_scratch(embedded, monkeypatch):
@@ -215,7 +224,8 @@ def test_the_outside_engine_prefills_every_prompt_from_scratch(embedded, monkeyp
             while True:
                 yield 7
 
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=PrefixKeepingLlama))
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=PrefixKeepingLlama,
+                                                                        llama_print_system_info=lambda: b""))
     lc = LlamaCpp(embedded)
     prompt = embedded.encode_prompt("Write a function that adds two numbers.")
     other = embedded.encode_prompt("Write a function that reverses a list.")
