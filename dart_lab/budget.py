@@ -249,10 +249,22 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True, r
     short = monotone(saved["short"])
     long = monotone({n: max(v, short[n]) for n, v in saved["long"].items()})
     per_token = monotone({n: (long[n] - short[n]) / max(lens["long"] - lens["short"], 1) for n in short})
+    if fp["compiled"]:  # a compiled step runs its nodes padded to the next bucket: price it there
+        short, per_token = (padded(c, fp["compiled"]["node_buckets"]) for c in (short, per_token))
     return {"fingerprint": fp, "verify_ms": short, "context_ms_per_token": per_token,
             "prompt_len": cfg.prompt_len, "measurements": count, "cached": not fresh,
             "contended": bool(load and load.get("contended")), "machine_load": load,
             "age_s": round(time.time() - measured_at, 1) if measured_at else None}
+
+
+def padded(curve: dict[int, float], buckets) -> dict[int, float]:
+    """The curve of a runner that pads each step's nodes to the next of `buckets` (compiled steps,
+    `fast_llama.FastTarget.node_buckets`): every size from 1 to the widest measured, each at its bucket's
+    cost (beyond the last bucket, where steps run eager, as measured). Interpolating between measured
+    buckets instead priced 3 nodes between 2 and 4 although they run as 4, and drafted trees that lost."""
+    widest = max(curve)  # measured there, it ran padded too: its reading is its bucket's cost
+    return {n: interpolate(curve, min(next((b for b in sorted(buckets) if b >= n), n), widest))
+            for n in range(1, widest + 1)}
 
 
 def say(line: str) -> None:

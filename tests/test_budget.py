@@ -268,6 +268,29 @@ def test_cost_curve_keeps_the_fastest_of_its_first_measurements(tmp_path, monkey
     assert served["context_ms_per_token"] == pytest.approx({1: 0.001, 2: 0.002, 4: 0.004})
 
 
+def test_a_compiled_runner_prices_a_tree_at_the_bucket_it_runs_padded_to(tmp_path, monkeypatch):
+    """Compiled steps pad a tree's nodes to the next node bucket, so 3 nodes cost what 4 do: the cost curve
+    of a compiled target is a step function over the buckets (and then a 4th node is free), an eager
+    target's is the measured one interpolated."""
+    from dart_lab import budget
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    cfg = BudgetConfig(sizes=(1, 2, 4, 8, 12), repeats=1, cost_measurements=1, prompt_len=100, long_prompt_len=1100)
+    monkeypatch.setattr(budget, "measure_verify", lambda t, sizes, repeats, n: {
+        k: 10.0 + k + (n - 100) / 100 * k for k in sizes})
+    eager = budget.cost_curve(target, cfg)
+    assert interpolate(eager["verify_ms"], 3) == 13.0
+    monkeypatch.setattr(target, "compile", True, raising=False)
+    monkeypatch.setattr(target, "node_buckets", (1, 2, 4, 8, 16), raising=False)
+    monkeypatch.setattr(target, "key_bucket", None, raising=False)
+    compiled = budget.cost_curve(target, cfg)
+    v = compiled["verify_ms"]
+    assert v[3] == v[4] == 14.0 and v[5] == v[8] == 18.0 and v[2] == 12.0 and v[1] == 11.0
+    assert v[9] == v[12] == 22.0  # the 16 bucket, past the widest measured size: as measured there
+    assert budget.curve_at(compiled, 1100)[3] == pytest.approx(14.0 + 4 * 10.0)  # context growth: the bucket's too
+    assert choose_budget([1.0, 1.5, 1.6, 1.7], v, 0.0)["theta"] in (1, 3)  # never 2: 3 nodes cost 4's
+
+
 def test_trees_are_priced_at_the_request_context():
     """A long prompt makes every node dearer (attention over the cache): the verify curve at a request's
     context (`curve_at`) grows by each size's per-token cost, and the runner re-chooses theta from it --
