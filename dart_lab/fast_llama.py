@@ -654,8 +654,9 @@ class FastTarget(Target):
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
     # one more measured path; 7: the LM head's halves on it too; 8: 128 rows in the sweep, where prompts
-    # of 100-200 tokens cross from 4 bits to bf16; 9: our kernel prefetches, several rows cheaper)
-    int4_revision = 9
+    # of 100-200 tokens cross from 4 bits to bf16; 9: our kernel prefetches, several rows cheaper; 10: several
+    # rows on AMX tiles where the CPU has them)
+    int4_revision = 10
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
     # arithmetic for AR and trees)

@@ -3,6 +3,7 @@
 bf16 lookups by x rounded to bf16 with fp32 sums. Faster than torch's int4 CPU kernel and closer to the
 weights (torch's rounds each group's scale and zero to bf16; this keeps the GGUF's own fp16 values).
 It is one more path `fast_llama.int4_by_rows` times per row count: taken only where it measures faster.
+On CPUs with AMX (Intel Xeon since Sapphire Rapids) steps of several rows multiply on the tile unit (`amx_rows`).
 
 Built on first use (`kernels.build`); where it cannot be built or the CPU lacks AVX512-BF16, `available()`
 is False and says why (`reason()`)."""
@@ -28,6 +29,19 @@ def reason() -> str | None:
 
 def available() -> bool:
     return reason() is None
+
+
+def amx_rows(rows: int | None = None) -> int:
+    """The row count from which the kernel multiplies on Intel's AMX tiles instead of AVX-512 (0: never); -1
+    where the CPU has no AMX-BF16 or Linux does not grant the tiles. rows: set it (the previous one is
+    returned), for tests and A/B timings; the same products and fp32 sums either way."""
+    if not available():
+        return -1
+    op = torch.ops.dart_lab.q4mm_amx_rows
+    prev = op(0 if rows is None else rows)
+    if rows is None and prev >= 0:
+        op(prev)
+    return prev
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -302,11 +302,24 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
 
 def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
     """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = bf16(x) W^T with W = q * scale + low exactly, to
-    fp32 rounding, for any row count (rows go through the kernel 8 at a time) -- torch's int4 kernel
-    rounds scale and zero to bf16 too. `pack` refuses what the kernel cannot hold."""
-    from dart_lab.fast_llama import Int4Linear
+    fp32 rounding, for any row count (rows go through the kernel 8 at a time; on AMX tiles 16 at a time, both
+    paths checked where the CPU has AMX) -- torch's int4 kernel rounds scale and zero to bf16 too. `pack`
+    refuses what the kernel cannot hold."""
     if not q4.available():
         pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
+    default = q4.amx_rows()
+    try:
+        for amx in ([None] if default < 0 else [1, 1 << 30]):  # with AMX: every row count on the tiles, then none
+            if amx is not None:
+                q4.amx_rows(amx)
+            _q4_kernel_checks()
+    finally:
+        if default >= 0:
+            q4.amx_rows(default)
+
+
+def _q4_kernel_checks():
+    from dart_lab.fast_llama import Int4Linear
     g = torch.Generator().manual_seed(0)
     for N, K in ((48, 96), (32, 64)):
         q = torch.randint(0, 16, (N, K), generator=g)
@@ -315,7 +328,7 @@ def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
         w = (q.reshape(N, K // 32, 32) * scale + low).reshape(N, K)
         bias = torch.randn(N, generator=g)
         lin = q4.Q4Linear.of_groups((q, scale, low), bias)
-        for M in (1, 2, 5, 8, 9, 19):
+        for M in (1, 2, 5, 8, 9, 16, 19, 33):
             x = torch.randn(M, K, generator=g)
             want = (x.to(torch.bfloat16).double() @ w.double().T + bias.double()).float()
             torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)

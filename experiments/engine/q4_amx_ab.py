@@ -1,0 +1,82 @@
+"""Our 4-bit kernel on Intel's AMX tiles against its AVX-512 path (`q4.amx_rows`), per row count, in one
+process: one sweep over the embedded target's 120 decoder linear shapes (random 4-bit groups; the kernel's
+time does not depend on their values), the paths alternating over 9 rounds, median of each round's fastest of
+3; bf16 weights through oneDNN (`F.linear`, AMX where present) beside them.
+
+    python experiments/engine/q4_amx_ab.py [--rows 1,2,4,8,16,32,64]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from dart_lab import q4  # noqa: E402
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30  # (K, N): qkv, o, gate|up, down x 30 layers
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args(argv)
+    if not q4.available() or q4.amx_rows() < 0:
+        print(f"no AMX path here: {q4.reason() or 'the CPU has no AMX-BF16 (or Linux does not grant the tiles)'}")
+        return 1
+    default = q4.amx_rows()
+    g = torch.Generator().manual_seed(0)
+    lins, dense = [], []
+    for k, n in SHAPES:
+        q = torch.randint(0, 16, (n, k), generator=g)
+        scale = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 0.005).half().float()
+        low = (torch.randn(n, k // 32, 1, generator=g) * 0.05).half().float()
+        lins.append(q4.Q4Linear.of_groups((q, scale, low)))
+        dense.append((q.reshape(n, k // 32, 32) * scale + low).reshape(n, k).to(torch.bfloat16))
+    rows = [int(r) for r in args.rows.split(",")]
+    xs = {m: {k: torch.randn(m, k, generator=g) for k in (576, 1536)} for m in rows}
+    xb = {m: {k: v.to(torch.bfloat16) for k, v in d.items()} for m, d in xs.items()}
+
+    def q4_sweep(m: int) -> float:
+        t = time.perf_counter()
+        for lin, (k, _) in zip(lins, SHAPES):
+            lin(xs[m][k])
+        return (time.perf_counter() - t) * 1e3
+
+    def bf16_sweep(m: int) -> float:
+        t = time.perf_counter()
+        for w, (k, _) in zip(dense, SHAPES):
+            F.linear(xb[m][k], w)
+        return (time.perf_counter() - t) * 1e3
+
+    paths = {"avx512": (lambda m: (q4.amx_rows(0), q4_sweep(m))[1]),
+             "amx": (lambda m: (q4.amx_rows(1), q4_sweep(m))[1]),
+             "bf16": bf16_sweep}
+    res = {(p, m): [] for p in paths for m in rows}
+    # agreement of the two paths (the same products and fp32 sums, in another order)
+    q4.amx_rows(0)
+    a = [lin(xs[rows[-1]][k]) for lin, (k, _) in zip(lins[:4], SHAPES)]
+    q4.amx_rows(1)
+    b = [lin(xs[rows[-1]][k]) for lin, (k, _) in zip(lins[:4], SHAPES)]
+    err = max((u - v).abs().max().item() / v.abs().max().item() for u, v in zip(a, b))
+    for r in range(args.rounds):
+        for p in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+            for m in rows:
+                paths[p](m)
+                res[(p, m)].append(min(paths[p](m) for _ in range(3)))
+    q4.amx_rows(default)
+    print(f"AMX path from {default} rows by default; AMX vs AVX-512 max relative difference {err:.1e}")
+    print("rows  " + "  ".join(f"{p:>8}" for p in paths) + "   (ms a sweep of the 120 linears)")
+    for m in rows:
+        print(f"{m:4d}  " + "  ".join(f"{statistics.median(res[(p, m)]):8.2f}" for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
