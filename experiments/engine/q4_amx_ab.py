@@ -3,7 +3,10 @@ process: one sweep over the embedded target's 120 decoder linear shapes (random 
 time does not depend on their values), the paths alternating over 9 rounds, median of each round's fastest of
 3; bf16 weights through oneDNN (`F.linear`, AMX where present) beside them.
 
-    python experiments/engine/q4_amx_ab.py [--rows 1,2,4,8,16,32,64]
+    python experiments/engine/q4_amx_ab.py [--rows 1,2,4,8,16,32,64] [--steps]
+
+`--steps`: the 4-bit target's verify of 1-16 nodes after 128 tokens (`budget.measure_verify`), the kernel's
+AMX path on and off alternating in one process (the per-row path tables as measured with it on).
 """
 from __future__ import annotations
 
@@ -26,11 +29,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", action="store_true")
     args = ap.parse_args(argv)
     if not q4.available() or q4.amx_rows() < 0:
         print(f"no AMX path here: {q4.reason() or 'the CPU has no AMX-BF16 (or Linux does not grant the tiles)'}")
         return 1
     default = q4.amx_rows()
+    if args.steps:
+        return steps(default, args.rounds)
     g = torch.Generator().manual_seed(0)
     lins, dense = [], []
     for k, n in SHAPES:
@@ -75,6 +81,25 @@ def main(argv=None) -> int:
     print("rows  " + "  ".join(f"{p:>8}" for p in paths) + "   (ms a sweep of the 120 linears)")
     for m in rows:
         print(f"{m:4d}  " + "  ".join(f"{statistics.median(res[(p, m)]):8.2f}" for p in paths))
+    return 0
+
+
+def steps(default: int, rounds: int) -> int:
+    from dart_lab.budget import measure_verify
+    from dart_lab.loading import load_target
+
+    t = load_target("smollm2-135m", dtype="int4")
+    sizes = (1, 2, 4, 8, 16)
+    got = {p: {n: [] for n in sizes} for p in ("avx512", "amx")}
+    for r in range(rounds):
+        for p in (("avx512", "amx") if r % 2 == 0 else ("amx", "avx512")):
+            q4.amx_rows(0 if p == "avx512" else default)
+            for n, ms in measure_verify(t, sizes, repeats=3, prompt_len=128).items():
+                got[p][n].append(ms)
+    q4.amx_rows(default)
+    print("nodes  " + "  ".join(f"{p:>8}" for p in got) + "   (verify ms after 128 tokens, medians)")
+    for n in sizes:
+        print(f"{n:5d}  " + "  ".join(f"{statistics.median(got[p][n]):8.2f}" for p in got))
     return 0
 
 
