@@ -39,8 +39,7 @@ def amx_build() -> bool:
     first forward, which no Python code can catch), so the bench skips it instead of dying with it."""
     import llama_cpp
 
-    info = getattr(llama_cpp, "llama_print_system_info", lambda: b"")()
-    return b"AMX_INT8 = 1" in (info if isinstance(info, bytes) else str(info).encode())
+    return b"AMX_INT8 = 1" in getattr(llama_cpp, "llama_print_system_info", lambda: b"")()
 
 
 def gguf_path(target):

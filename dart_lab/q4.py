@@ -35,13 +35,7 @@ def amx_rows(rows: int | None = None) -> int:
     """The row count from which the kernel multiplies on Intel's AMX tiles instead of AVX-512 (0: never); -1
     where the CPU has no AMX-BF16 or Linux does not grant the tiles. rows: set it (the previous one is
     returned), for tests and A/B timings; the same products and fp32 sums either way."""
-    if not available():
-        return -1
-    op = torch.ops.dart_lab.q4mm_amx_rows
-    prev = op(0 if rows is None else rows)
-    if rows is None and prev >= 0:
-        op(prev)
-    return prev
+    return torch.ops.dart_lab.q4mm_amx_rows(-1 if rows is None else rows) if available() else -1
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -28,17 +28,25 @@ namespace {
 
 constexpr int kMaxRows = 8;  // rows sharing one unpacking of the weights (accumulators: 2 per row)
 
-template <int M>
-__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
-void q4_block(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint16_t* sl, float* y,
-              int64_t K, int64_t N, int64_t b) {
-  const int64_t G = K / 32, Q = K / 4, P = K / 2;
+// one 32-byte quad of a block -> its two input pairs' 4-bit values as bf16 numbers (wl: the low nibbles, wh:
+// the high ones), in the pair layout VDPBF16PS and TDPBF16PS read
+__attribute__((always_inline, target("avx512f,avx512bw")))
+inline void lookup_quad(const uint8_t* quad, __m512i& wl, __m512i& wh) {
   // bf16 bit patterns of 0.0, 1.0, ..., 15.0 (a 4-bit value is its own index)
   const __m512i lut = _mm512_set_epi16(
       0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
       0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
-  const __m512i nibble = _mm512_set1_epi16(0x0f);
+  const __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)quad));
+  wl = _mm512_permutexvar_epi16(_mm512_and_si512(w16, _mm512_set1_epi16(0x0f)), lut);
+  wh = _mm512_permutexvar_epi16(_mm512_srli_epi16(w16, 4), lut);
+}
+
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
+void q4_block(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint16_t* sl, float* y,
+              int64_t K, int64_t N, int64_t b) {
+  const int64_t G = K / 32, Q = K / 4, P = K / 2;
   __m512 out[M];
   for (int r = 0; r < M; ++r) out[r] = _mm512_setzero_ps();
   const uint8_t* wb = wp + b * Q * 32;
@@ -50,12 +58,11 @@ void q4_block(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint
       // 1 KB ahead: with several rows a block's arithmetic is long enough that the hardware prefetcher alone
       // leaves loads waiting (a prefetch past the end is harmless)
       _mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);
-      __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wb + quad * 32)));
-      __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w16, nibble), lut);
-      __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w16, 4), lut);
+      __m512i wl, wh;
+      lookup_quad(wb + quad * 32, wl, wh);
       for (int r = 0; r < M; ++r) {
-        lo[r] = _mm512_dpbf16_ps(lo[r], wl, (__m512bh)_mm512_set1_epi32((int)xp[r * P + 2 * quad]));
-        hi[r] = _mm512_dpbf16_ps(hi[r], wh, (__m512bh)_mm512_set1_epi32((int)xp[r * P + 2 * quad + 1]));
+        lo[r] = _mm512_dpbf16_ps(lo[r], (__m512bh)wl, (__m512bh)_mm512_set1_epi32((int)xp[r * P + 2 * quad]));
+        hi[r] = _mm512_dpbf16_ps(hi[r], (__m512bh)wh, (__m512bh)_mm512_set1_epi32((int)xp[r * P + 2 * quad + 1]));
       }
     }
     const uint16_t* s = sl + ((b * G + g) * 2) * 16;
@@ -132,11 +139,6 @@ void q4_amx_blocks(const uint32_t* xp, const float* xs, const uint8_t* wp, const
   cfg.rows[2] = 16;
   cfg.colsb[2] = 64;
   _tile_loadconfig(&cfg);
-  const __m512i lut = _mm512_set_epi16(
-      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-      0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
-  const __m512i nibble = _mm512_set1_epi16(0x0f);
   alignas(64) uint16_t bt[16 * 32];  // one group's 4-bit values as bf16, rows = input pairs
   alignas(64) float ct[kAmxRows * 16];
   std::vector<float> acc(M > kAmxRows ? M * 16 : 0);
@@ -149,9 +151,10 @@ void q4_amx_blocks(const uint32_t* xp, const float* xs, const uint8_t* wp, const
       for (int t = 0; t < 8; ++t) {
         const int64_t quad = g * 8 + t;
         _mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);
-        __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wb + quad * 32)));
-        _mm512_store_si512(bt + (2 * t) * 32, _mm512_permutexvar_epi16(_mm512_and_si512(w16, nibble), lut));
-        _mm512_store_si512(bt + (2 * t + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w16, 4), lut));
+        __m512i wl, wh;
+        lookup_quad(wb + quad * 32, wl, wh);
+        _mm512_store_si512(bt + (2 * t) * 32, wl);
+        _mm512_store_si512(bt + (2 * t + 1) * 32, wh);
       }
       _tile_loadd(2, bt, 64);
       const uint16_t* s = sl + ((b * G + g) * 2) * 16;
@@ -198,10 +201,11 @@ void q4_amx(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint16
 }
 
 int64_t q4mm_amx_rows(int64_t rows) {
-  // the AMX path's threshold (rows >= it; 0: never): returns the previous one, or -1 where AMX is not usable
+  // the AMX path's threshold (rows >= it; 0: never), set when rows >= 0: returns the one before, or -1 where
+  // AMX is not usable
   if (!amx_usable()) return -1;
   const int64_t previous = amx_from_rows;
-  amx_from_rows = rows;
+  if (rows >= 0) amx_from_rows = rows;
   return previous;
 }
 
