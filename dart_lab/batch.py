@@ -452,6 +452,7 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         sync(dev)
         tb = time.perf_counter()
         # 2. verify: one target forward over every row's tree
+        context = bt.end
         vo = bt.verify([tr for tr, _ in trees], want_aux=want_aux)
         sync(dev)
         tc = time.perf_counter()
@@ -480,7 +481,8 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         batch_steps.append({"rows": len(live), "max_tree": max(len(tr) for tr, _ in trees),
                             "theta": theta, "propose_ms": (tb - ta) * 1e3, "verify_ms": (tc - tb) * 1e3,
                             "accept_ms": (td - tc) * 1e3})
-        log_step(target, len(live), batch_steps[-1]["max_tree"], (tc - tb) * 1e3)  # what the budget prices
+        # what the budget prices: the step beyond drafting (verify, accept, compact), as the one-sequence loop logs
+        log_step(target, len(live), batch_steps[-1]["max_tree"], (td - tb) * 1e3, context)
         bt.keep(still)  # 5. finished rows leave the batch (their places go to waiting prompts at step 0)
         live[:] = [live[i] for i in still]
     decode_s = time.perf_counter() - t0 - prefill_s

@@ -407,32 +407,43 @@ def interpolate_batch(curves: dict[int, dict[int, float]], rows: int) -> dict[in
     return {n: curves[lo][n] + f * (curves[hi][n] - curves[lo][n]) for n in ns}
 
 
+ONE_SEQUENCE = 0  # `step_log`'s row count for the steps of `generate.generate` (one sequence, its own runner)
+
+
 def _step_kind(target, rows: int) -> tuple:
-    """`step_log`'s key for steps of `rows` rows without the nodes: the arithmetic and compilation too
-    (another dtype is another machine)."""
+    """`step_log`'s key for steps of `rows` rows (ONE_SEQUENCE: the single-sequence loop) without the nodes:
+    the arithmetic and compilation too (another dtype is another machine)."""
     return (target.precision, bool(getattr(target, "compile", False)), rows)
 
 
-def log_step(target, rows: int, nodes: int, ms: float, memory: int = BudgetConfig.observed_memory) -> None:
-    """Record one decoded batched step (`rows` live rows, `nodes` per row after padding) on the target's
-    `step_log`."""
+def log_step(target, rows: int, nodes: int, ms: float, context: int,
+             memory: int = BudgetConfig.observed_memory) -> None:
+    """Record one decoded step on the target's `step_log`: `rows` live rows of a batch (or ONE_SEQUENCE),
+    `nodes` per row after padding, `context` cached positions it attended over, `ms` what it took."""
     log = target.step_log.setdefault(_step_kind(target, rows) + (nodes,), [])
-    log.append(ms)
+    log.append((ms, context))
     del log[:-memory]
 
 
-def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int = BudgetConfig.observed_min_steps
-                   ) -> dict[int, float]:
-    """The verify curve at `rows` live rows checked against the batched steps of that many rows decoded on
-    this target (any method: batched AR's steps price the trees of the methods after it). A shape decoded
-    at least `min_steps` times takes the median of what its steps took; every other size is scaled by the
-    median ratio of decoded to timed over those shapes, so the curve keeps one level (a decoded one-token
-    step beside timed trees of another moment would misprice every tree); then non-decreasing
-    (`monotone`). A timing loop that read one shape high steered a whole batch size: 2 rows priced a
-    one-token step at 27 ms that decoded in 19, drafted trees, and lost."""
+def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int = BudgetConfig.observed_min_steps,
+                   at=None) -> dict[int, float]:
+    """The verify curve at `rows` live rows (or ONE_SEQUENCE) checked against the steps of that kind decoded
+    on this target (any method: AR's steps price the trees of the methods after it). A shape decoded at
+    least `min_steps` times takes what its steps took (the median); every other size is scaled by the median
+    ratio of decoded to timed over those shapes, so the curve keeps one level (a decoded one-token step
+    beside timed trees of another moment would misprice every tree); then non-decreasing (`monotone`).
+    at (optional): context -> the timed curve there; each step is then compared with the curve at the
+    context it ran at and the shape takes `curve` x the median ratio (one request's curve priced from steps
+    of other lengths); without it, the steps' own ms (a batch's curve is at its batch's mean context).
+    Why: a timing loop verifies back to back; decoded, a tree step also pays its path's cache compaction and
+    runs after the drafter's forward has had the caches. 2 rows priced a one-token step at 27 ms that decoded
+    in 19, drafted trees, and lost; one sequence priced 5-node trees at 1.24x a token, decoded at 1.47x."""
     kind = _step_kind(target, rows)
-    seen = {n: statistics.median(ms) for (*k, n), ms in target.step_log.items()
-            if tuple(k) == kind and len(ms) >= min_steps}
+    seen = {}
+    for (*k, n), log in target.step_log.items():
+        if tuple(k) == kind and len(log) >= min_steps:
+            seen[n] = (statistics.median(ms for ms, _ in log) if at is None else
+                       interpolate(curve, n) * statistics.median(ms / interpolate(at(ctx), n) for ms, ctx in log))
     if not seen:
         return curve
     scale = statistics.median(ms / interpolate(curve, n) for n, ms in seen.items())
@@ -468,6 +479,7 @@ class BudgetController:
         self.cost: dict = {}
         self.batch_costs: dict[int, dict[int, float]] = {}  # batch size -> verify ms by nodes per row
         self.head_ms: dict[int, float] = {}  # rows -> ms of one batched DART head forward (head_batch_ms)
+        self._curves: dict = {}  # (cost curve, context // 16) -> curve_at there (`_curve_at`)
         self.off_streak = 0  # consecutive generations whose verify times disagreed with the curve (signed)
         self.fallback_runs = {False: 0, True: 0}  # generations in AR fallback, per mode (sampled or not)
         if calibrate:
@@ -519,17 +531,26 @@ class BudgetController:
         if sampled and self.budget_sampled is None:  # sampling has its own theta, from its own acceptance
             self.choose(sampled=True)
         context = prompt_len + max_new_tokens // 2
-        curve = curve_at(self.cost, context)
+        curve = observed_curve(self.target, ONE_SEQUENCE, curve_at(self.cost, context), self.cfg.observed_min_steps,
+                               at=self._curve_at)
         budget = {**self.for_context(self.budget_sampled if sampled else self.budget, curve), "context": context}
         if budget["fallback_to_ar"] and self.learns(sampled):
             budget = self.probe(budget, sampled)
         self.apply(budget, curve)
         return budget, curve
 
+    def _curve_at(self, context: int) -> dict[int, float]:
+        """`curve_at` for a decoded step's context, to 16 positions (a few hundredths of a ms), kept per cost curve."""
+        key = (id(self.cost), context // 16)
+        if key not in self._curves:
+            self._curves = {k: v for k, v in self._curves.items() if k[0] == key[0]}
+            self._curves[key] = curve_at(self.cost, key[1] * 16)
+        return self._curves[key]
+
     def learn(self, res, budget: dict, curve: dict[int, float], sampled: bool) -> None:
         """After a generation planned by `plan`: follow the machine, record what was accepted, choose again."""
         fallback = budget["fallback_to_ar"]
-        refreshed = self.follow_machine(res, curve)
+        refreshed = self.follow_machine(res, curve_at(self.cost, budget["context"]))  # the timed curve, not `curve`
         if not fallback:
             self.observe(res, budget["theta"], sampled, ranks=self.learns(sampled))
         if refreshed:  # a new cost curve: both thetas again

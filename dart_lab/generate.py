@@ -15,6 +15,7 @@ from .errors import DartLabError
 from .target import Target, sync
 from .tree import Tree
 from .acceptance import accept, sample_token, target_probs
+from .budget import ONE_SEQUENCE, log_step
 
 
 class Drafter:
@@ -185,6 +186,7 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
         sync(dev)
         tb = time.perf_counter()
         # 2. verify: one target forward over the whole tree
+        context = target.seq_len
         vo = target.verify(tree, want_aux=drafter.needs_aux)
         # 3. accept: longest accepted path + bonus token (greedy or rejection sampling)
         path, bonus = accept(tree, vo.logits, cfg, gen)
@@ -203,6 +205,7 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
                       "draft_ms": timing.get("draft_ms", 0.0), "search_ms": timing.get("search_ms", 0.0),
                       "propose_ms": (tb - ta) * 1e3, "verify_ms": (tc - tb) * 1e3,
                       **({"copy_only": True} if timing.get("copy_only") else {})})
+        log_step(target, ONE_SEQUENCE, len(tree), steps[-1]["verify_ms"], context)  # what the budget prices
         if cfg.stop_on_eos and any(t in target.eos_ids for t in emitted):
             stop = "eos"
             break

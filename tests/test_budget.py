@@ -233,7 +233,9 @@ def test_ar_fallback_runs_what_the_drafter_does_without_a_tree():
                       (Runner("dart", target, DartDrafter(random_head(target, "dart"), None, TreeSearchConfig(w_ngram=0.0)),
                               auto_budget=True), False)):
         r.controller.cost = {**r.controller.cost, "verify_ms": {1: 10.0, 64: 10.0}}  # flat: any copy beats a one-token step
-        r.controller.budget = {**r.budget, "theta": 0, "fallback_to_ar": True}
+        r.controller.observed.greedy = [(63, [])] * 20  # no draft ever accepted: no tree pays
+        r.controller.choose()
+        assert r.budget["fallback_to_ar"]
         res = r.generate(prompt, cfg)
         assert res.tokens == ar.tokens
         assert not any("path_ranks" in s for s in res.steps)  # no tree step: the head never ran
@@ -392,9 +394,9 @@ def test_a_batch_prices_what_its_shapes_took_when_decoded_not_the_timing_loop(mo
         for nodes, (ms, count) in decoded.items():
             for _ in range(count):
                 if precision is None:
-                    log_step(target, 2, nodes, ms)
+                    log_step(target, 2, nodes, ms, 0)
                 else:
-                    target.step_log.setdefault((precision, False, 2, nodes), []).append(ms)
+                    target.step_log.setdefault((precision, False, 2, nodes), []).append((ms, 0))
         res = r.generate_batch(prompts, cfg)
         assert [x.tokens for x in res.rows] == [generate(target, p, None, cfg).tokens for p in prompts]
         return res.config["tree_budget_by_rows"]["2"]["theta"]
@@ -405,6 +407,49 @@ def test_a_batch_prices_what_its_shapes_took_when_decoded_not_the_timing_loop(mo
     assert theta_at_2({1: (2.0, k)}) >= 1  # the level alone
     assert theta_at_2({1: (20.0, k), 4: (200.0, k - 1)}) >= 1  # too few tree steps: the timed shape stands
     assert theta_at_2(dear_trees, precision="torch.bfloat16") >= 1  # another arithmetic's steps
+
+
+def test_one_sequence_prices_what_its_steps_took_when_decoded_each_at_its_context():
+    """The single-sequence loop logs every step (nodes, the context it attended over, ms) on the target;
+    a request's plan then prices each decoded shape by what it took, compared with the timed curve at the
+    context it ran at (steps of other lengths price this request's context). The timing loop read trees as
+    cheap as a token (trees pay); decoded one-token steps of 20 ms and 4-node trees of 200 ms make the
+    request decode without trees; one-token steps alone set the level, not the shape."""
+    from dart_lab.budget import ONE_SEQUENCE, log_step, observed_curve
+
+    target = tiny_target("llama")
+    r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
+    sizes = (1, 2, 4, 8, 16, 64)
+    r.controller.cost = {**r.controller.cost, "verify_ms": {n: 10.0 + 0.01 * n for n in sizes},
+                         "context_ms_per_token": {n: 0.01 for n in sizes}, "prompt_len": 0}
+    r.controller.observed.overhead, r.controller.observed.greedy = {63: [0.0, 1]}, [(63, [0])] * 20  # tau = 2
+    r.controller.choose()
+    prompt, cfg = torch.tensor([5, 9, 14, 5, 9, 22]), GenerationConfig(max_new_tokens=12, stop_on_eos=False)
+    k = BudgetConfig().observed_min_steps
+
+    def plan(decoded: dict) -> dict:
+        """the request's budget after decoded steps {nodes: (ms, context)}, k of each"""
+        target.step_log.clear()
+        r.controller.fallback_runs = {False: 0, True: 0}  # no probe
+        for nodes, (ms, context) in decoded.items():
+            for _ in range(k):
+                log_step(target, ONE_SEQUENCE, nodes, ms, context)
+        return r.controller.plan(len(prompt), False, cfg.max_new_tokens)[0]
+
+    assert plan({})["theta"] >= 1
+    assert plan({1: (20.0, 10), 4: (200.0, 10)})["fallback_to_ar"]
+    assert plan({1: (2.0, 10)})["theta"] >= 1  # the level alone
+    # each step against the timed curve where it ran: a one-token step of 20 ms after 1000 tokens is what the
+    # curve says there (10 + 0.01 + 10 ms), so at this request's context (12) it prices at the curve's 10.1
+    plan({1: (20.01, 1000)})
+    curve = observed_curve(target, ONE_SEQUENCE, {n: 10.0 + 0.01 * n + 0.12 for n in sizes}, k, at=r.controller._curve_at)
+    assert curve[1] == pytest.approx(10.13, abs=0.2) and curve[64] == pytest.approx(10.76, abs=0.2)
+    # and the loop logs what it decoded: one entry a step, at the context before it
+    target.step_log.clear()
+    res = generate(target, prompt, None, cfg)
+    log = target.step_log[(target.precision, False, ONE_SEQUENCE, 1)]
+    assert [c for _, c in log] == list(range(len(prompt), len(prompt) + len(res.steps)))
+    assert [ms for ms, _ in log] == [s["verify_ms"] for s in res.steps]
 
 
 def test_a_curve_measured_under_load_is_used_but_never_cached(tmp_path, monkeypatch):
