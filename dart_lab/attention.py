@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import kernels
 
 _state: dict = {}  # "reason": why the kernel is absent (None: built); (heads, kv_heads, head_dim): max nodes
-NODE_COUNTS = (1, 2, 4, 8, 16)  # nodes a row at which `prepare` times both
+NODE_COUNTS = (1, 2, 4, 5, 6, 8, 16)  # nodes a row at which `prepare` times both (SDPA overtakes ours near 5-8)
 HEAD_DIMS = (16, 32, 64, 128)  # the kernel's
 
 

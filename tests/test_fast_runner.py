@@ -458,14 +458,16 @@ def test_compiled_int4_steps_equal_eager_int4():
 
 def test_attention_kernel_is_sdpa_to_fp32_rounding():
     """Our decoding attention (`dart_lab::decode_attn`, csrc/attention.cpp) against torch's SDPA: grouped
-    query heads, 1-5 nodes a row, a mask per row, one for every row or none, keys read from a longer cache
+    query heads, 1-8 nodes a row, a mask per row, one for every row or none, keys read from a longer cache
     (strided), every head size the kernel has; masked keys weigh exactly 0 (a key masked out cannot move
     the output, however large its value)."""
     from dart_lab import attention
     if not attention.available():
         pytest.skip(f"our attention kernel is not built here: {attention.reason()}")
     g = torch.Generator().manual_seed(0)
-    for B, H, Hk, D, N, nk in ((3, 9, 3, 64, 1, 37), (2, 16, 8, 128, 4, 129), (1, 4, 4, 16, 2, 16), (2, 8, 1, 32, 5, 21)):
+    # the last three: fewer (row, key head) pairs than two a thread, their query rows cut into blocks (one partial)
+    for B, H, Hk, D, N, nk in ((3, 9, 3, 64, 1, 37), (2, 16, 8, 128, 4, 129), (1, 4, 4, 16, 2, 16), (2, 8, 1, 32, 5, 21),
+                               (1, 9, 3, 64, 8, 50), (1, 6, 2, 32, 3, 30)):
         q = torch.randn(B, H, N, D, generator=g)
         K, V = torch.randn(B, Hk, nk + 7, D, generator=g), torch.randn(B, Hk, nk + 7, D, generator=g)
         allowed = torch.rand(B, 1, N, nk, generator=g) > 0.3

@@ -65,25 +65,25 @@ struct Geometry {
   int64_t mb, mn;                  // mask strides: row (0: one mask for every row), query position
 };
 
-// One (batch row b, key head g): the G query heads sharing it x N positions (R = G N rows, contiguous in q
-// and out; row r is position r % N). C = D / 16 vectors a head.
+// One (batch row b, key head g): rows [r_begin, r_end) of the G query heads sharing it x N positions (R = G N
+// rows, contiguous in q and out; row r is position r % N). C = D / 16 vectors a head.
 template <int C>
 __attribute__((target("avx512f")))
 void head_group(const Geometry& s, const float* q, const float* k, const float* v, const float* mask, float* out,
-                int64_t b, int64_t g, std::vector<float>& sc) {
+                int64_t b, int64_t g, int64_t r_begin, int64_t r_end, std::vector<float>& sc) {
   constexpr int D = 16 * C;
-  const int64_t R = s.G * s.N, nk = s.nk;
+  const int64_t R = r_end - r_begin, nk = s.nk;
   const float* Q = q + (b * s.H + g * s.G) * s.N * D;
   float* O = out + (b * s.H + g * s.G) * s.N * D;
   const float* K = k + b * s.kb + g * s.kh;
   const float* V = v + b * s.vb + g * s.vh;
   const float* M = mask ? mask + b * s.mb : nullptr;
-  sc.resize(R * nk);
+  sc.resize(R * nk);  // row r's scores at (r - r_begin) * nk
   std::vector<float> mx(R, -INFINITY), sum(R);
   // 1. scores (scale already in q): 4 query rows at a time held in registers, each key's 4 dot products
   // summed together (`sum4`)
-  for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
-    const int64_t rn = std::min<int64_t>(kRowsPerPass, R - r0);
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kRowsPerPass) {
+    const int64_t rn = std::min<int64_t>(kRowsPerPass, r_end - r0);
     __m512 qv[kRowsPerPass][C];
     for (int i = 0; i < kRowsPerPass; ++i)
       for (int c = 0; c < C; ++c)
@@ -103,11 +103,11 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
       for (int i = 0; i < rn; ++i) {
         const int64_t r = r0 + i;
         const float xi = M ? x[i] + M[(r % s.N) * s.mn + j] : x[i];
-        sc[r * nk + j] = xi;
+        sc[(r - r_begin) * nk + j] = xi;
         m4[i] = std::max(m4[i], xi);
       }
     }
-    for (int i = 0; i < rn; ++i) mx[r0 + i] = m4[i];
+    for (int i = 0; i < rn; ++i) mx[r0 - r_begin + i] = m4[i];
   }
   // 2. softmax numerators and sums
   for (int64_t r = 0; r < R; ++r) {
@@ -129,8 +129,8 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
     sum[r] = _mm512_reduce_add_ps(acc);
   }
   // 3. out = softmax-weighted sum of V
-  for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
-    const int64_t rn = std::min<int64_t>(kRowsPerPass, R - r0);
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kRowsPerPass) {
+    const int64_t rn = std::min<int64_t>(kRowsPerPass, r_end - r0);
     __m512 o[kRowsPerPass][C];
     for (int i = 0; i < kRowsPerPass; ++i)
       for (int c = 0; c < C; ++c) o[i][c] = _mm512_setzero_ps();
@@ -141,12 +141,12 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
         vj[c] = _mm512_loadu_ps(V + j * s.vr + 16 * c);
       }
       for (int i = 0; i < rn; ++i) {
-        const __m512 p = _mm512_set1_ps(sc[(r0 + i) * nk + j]);
+        const __m512 p = _mm512_set1_ps(sc[(r0 - r_begin + i) * nk + j]);
         for (int c = 0; c < C; ++c) o[i][c] = _mm512_fmadd_ps(p, vj[c], o[i][c]);
       }
     }
     for (int i = 0; i < rn; ++i) {
-      const __m512 inv = _mm512_set1_ps(1.0f / sum[r0 + i]);
+      const __m512 inv = _mm512_set1_ps(1.0f / sum[r0 - r_begin + i]);
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(O + (r0 + i) * D + 16 * c, _mm512_mul_ps(o[i][c], inv));
     }
   }
@@ -184,16 +184,25 @@ at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const float* vp = v.data_ptr<float>();
   const float* mp = masked ? m.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  // one task a (row, key head): splitting a group's query heads over threads reads K and V once per
-  // query head, which measured slower for one-token steps even where it left a thread idle
-  at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
+  // one task a (row, key head, block of its query rows). One block a (row, key head) reads its K and V once
+  // for all its query heads, which measured faster for one-token steps even where it left a thread idle; a
+  // tree's step has G N query rows a key head, arithmetic enough that with fewer (row, key head) pairs than
+  // two a thread they are cut into blocks of whole passes, so every thread has work (K and V read once a block)
+  const int64_t R = s.G * N, pairs = B * Hk, threads = at::get_num_threads();
+  const int64_t passes = (R + kRowsPerPass - 1) / kRowsPerPass;
+  const int64_t blocks = pairs >= 2 * threads ? 1 : std::min(passes, (2 * threads + pairs - 1) / pairs);
+  const int64_t rows_per_block = (passes + blocks - 1) / blocks * kRowsPerPass;
+  const int64_t n_blocks = (R + rows_per_block - 1) / rows_per_block;
+  at::parallel_for(0, pairs * n_blocks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> sc;
     for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pair = t / n_blocks, r0 = t % n_blocks * rows_per_block, r1 = std::min(R, r0 + rows_per_block);
+      const int64_t b = pair / Hk, g = pair % Hk;
       switch (D) {
-        case 16: head_group<1>(s, qp, kp, vp, mp, op, t / Hk, t % Hk, sc); break;
-        case 32: head_group<2>(s, qp, kp, vp, mp, op, t / Hk, t % Hk, sc); break;
-        case 64: head_group<4>(s, qp, kp, vp, mp, op, t / Hk, t % Hk, sc); break;
-        default: head_group<8>(s, qp, kp, vp, mp, op, t / Hk, t % Hk, sc);
+        case 16: head_group<1>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc); break;
+        case 32: head_group<2>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc); break;
+        case 64: head_group<4>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc); break;
+        default: head_group<8>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc);
       }
     }
   });
