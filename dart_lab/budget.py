@@ -425,25 +425,21 @@ def log_step(target, rows: int, nodes: int, ms: float, context: int,
     del log[:-memory]
 
 
-def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int = BudgetConfig.observed_min_steps,
-                   at=None) -> dict[int, float]:
-    """The verify curve at `rows` live rows (or ONE_SEQUENCE) checked against the steps of that kind decoded
-    on this target (any method: AR's steps price the trees of the methods after it). A shape decoded at
-    least `min_steps` times takes what its steps took (the median); every other size is scaled by the median
-    ratio of decoded to timed over those shapes, so the curve keeps one level (a decoded one-token step
-    beside timed trees of another moment would misprice every tree); then non-decreasing (`monotone`).
-    at (optional): context -> the timed curve there; each step is then compared with the curve at the
-    context it ran at and the shape takes `curve` x the median ratio (one request's curve priced from steps
-    of other lengths); without it, the steps' own ms (a batch's curve is at its batch's mean context).
-    Why: a timing loop verifies back to back; decoded, a tree step also pays its path's cache compaction and
-    runs after the drafter's forward has had the caches. 2 rows priced a one-token step at 27 ms that decoded
-    in 19, drafted trees, and lost; one sequence priced 5-node trees at 1.24x a token, decoded at 1.47x."""
+def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int, at) -> dict[int, float]:
+    """The verify curve `curve` (at `rows` live rows, or ONE_SEQUENCE; at the context it is wanted for) checked
+    against the steps of that kind decoded on this target (any method: AR's steps price the trees of the
+    methods after it). Each step is compared with the timed curve at the context it ran at (`at`: context ->
+    that curve), so steps of other lengths price this context. A shape decoded at least `min_steps` times
+    takes `curve` x the median of those ratios; every other size is scaled by the median over those shapes,
+    so the curve keeps one level (a decoded one-token step beside timed trees of another moment would
+    misprice every tree); then non-decreasing (`monotone`).
+    Why: a timing loop verifies back to back, rows of one length, the root kept; decoded, a step also pays
+    its accept and its paths' cache compaction. 2 rows priced a one-token step at 27 ms that decoded in 19,
+    drafted trees, and lost; one sequence priced 5-node trees at 1.24x a token, decoded at 1.47x; 8 rows
+    priced copies of one token at 1.07x a step, decoded at 1.29x."""
     kind = _step_kind(target, rows)
-    seen = {}
-    for (*k, n), log in target.step_log.items():
-        if tuple(k) == kind and len(log) >= min_steps:
-            seen[n] = (statistics.median(ms for ms, _ in log) if at is None else
-                       interpolate(curve, n) * statistics.median(ms / interpolate(at(ctx), n) for ms, ctx in log))
+    seen = {n: interpolate(curve, n) * statistics.median(ms / interpolate(at(ctx), n) for ms, ctx in log)
+            for (*k, n), log in target.step_log.items() if tuple(k) == kind and len(log) >= min_steps}
     if not seen:
         return curve
     scale = statistics.median(ms / interpolate(curve, n) for n, ms in seen.items())
@@ -479,7 +475,7 @@ class BudgetController:
         self.cost: dict = {}
         self.batch_costs: dict[int, dict[int, float]] = {}  # batch size -> verify ms by nodes per row
         self.head_ms: dict[int, float] = {}  # rows -> ms of one batched DART head forward (head_batch_ms)
-        self._curves: dict = {}  # (cost curve, context // 16) -> curve_at there (`_curve_at`)
+        self._curves: dict = {}  # context // 16 -> curve_at there, and the cost curve they are of (`_curve_at`)
         self.off_streak = 0  # consecutive generations whose verify times disagreed with the curve (signed)
         self.fallback_runs = {False: 0, True: 0}  # generations in AR fallback, per mode (sampled or not)
         if calibrate:
@@ -540,12 +536,13 @@ class BudgetController:
         return budget, curve
 
     def _curve_at(self, context: int) -> dict[int, float]:
-        """`curve_at` for a decoded step's context, to 16 positions (a few hundredths of a ms), kept per cost curve."""
-        key = (id(self.cost), context // 16)
-        if key not in self._curves:
-            self._curves = {k: v for k, v in self._curves.items() if k[0] == key[0]}
-            self._curves[key] = curve_at(self.cost, key[1] * 16)
-        return self._curves[key]
+        """`curve_at` for a decoded step's context, to 16 positions (a few hundredths of a ms), kept until the
+        cost curve changes."""
+        if self._curves.get("cost") is not self.cost:
+            self._curves = {"cost": self.cost}
+        if context // 16 not in self._curves:
+            self._curves[context // 16] = curve_at(self.cost, context // 16 * 16)
+        return self._curves[context // 16]
 
     def learn(self, res, budget: dict, curve: dict[int, float], sampled: bool) -> None:
         """After a generation planned by `plan`: follow the machine, record what was accepted, choose again."""
@@ -711,13 +708,22 @@ class BudgetController:
             self.batch_curve(rows)
             self.head_batch_ms(rows)
         context = statistics.fmean(len(p) for p in prompts) + max_new_tokens // 2
-        short, long = self.cost["verify_ms"], curve_at(self.cost, context)
-        grow = {n: long[n] / short[n] for n in short}
+
+        def at(rows: int, ctx: int) -> dict[int, float]:
+            """the timed surface at `rows`, grown to `ctx` cached positions as the batch-1 curve grows"""
+            key = (rows, ctx // 16)
+            if key not in at.memo:
+                short, long = self.cost["verify_ms"], self._curve_at(ctx)
+                grow = {n: long[n] / short[n] for n in short}
+                at.memo[key] = {n: ms * interpolate(grow, n) for n, ms in self.batch_curve(rows).items()}
+            return at.memo[key]
+
+        at.memo = {}
 
         def policy(rows: int):
             if rows not in policy.chosen:
-                curve = {n: ms * interpolate(grow, n) for n, ms in self.batch_curve(rows).items()}
-                curve = observed_curve(self.target, rows, curve, self.cfg.observed_min_steps)
+                curve = observed_curve(self.target, rows, at(rows, context), self.cfg.observed_min_steps,
+                                       at=lambda ctx: at(rows, ctx))
                 head = self.head_batch_ms(rows)
                 if head is None:  # every row drafts on its own
                     over = lambda th: rows * self.overhead_ms(th)  # noqa: E731
