@@ -461,7 +461,7 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         offsets = [0]
         for tr, _ in trees:
             offsets.append(offsets[-1] + len(tr))
-        best = vo.flat.argmax(-1).tolist() if cfg.greedy else None
+        best = vo.flat.max(-1).indices.tolist() if cfg.greedy else None  # argmax's indices, cheaper (acceptance.py)
         paths = []
         for i, b in enumerate(live):
             if best is not None:
