@@ -114,7 +114,7 @@ bool amx_usable() {
   return ok;
 }
 
-int64_t amx_from_rows = 3;  // steps of at least this many rows take the AMX path (0: never): from 3 rows it
+int64_t amx_from_rows = 2;  // steps of at least this many rows take the AMX path (0: never): from 2 rows it
                             // measured faster than the AVX-512 path (experiments/engine/q4_amx_ab.py)
 
 struct alignas(64) TileConfig {
@@ -126,65 +126,90 @@ struct alignas(64) TileConfig {
 constexpr int kAmxRows = 16;  // rows of one tile
 
 #if DART_LAB_AMX
+// one group's 4-bit values of block wb as bf16 into bt (16 input pairs x 16 outputs), the pair layout
+__attribute__((always_inline, target("avx512f,avx512bw")))
+inline void group_tile(const uint8_t* wb, int64_t g, uint16_t* bt) {
+  for (int t = 0; t < 8; ++t) {
+    const int64_t quad = g * 8 + t;
+    _mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);
+    __m512i wl, wh;
+    lookup_quad(wb + quad * 32, wl, wh);
+    _mm512_store_si512(bt + (2 * t) * 32, wl);
+    _mm512_store_si512(bt + (2 * t + 1) * 32, wh);
+  }
+}
+
 // blocks b0..b1 of 16 outputs, on one thread (its own tile configuration). Each group's 4-bit values are
 // looked up once for all rows, which go through the tiles 16 at a time (xp padded to a multiple of 16 rows
-// when M > 16); each row's sums in registers for one tile of rows, else in acc (M x 16 fp32).
+// when M > 16); each row's sums in registers for one tile of rows, else in acc (M x 16 fp32). With one tile of
+// rows, two groups go through two sets of tiles side by side: a tile register is not renamed, so one set
+// made each group's product wait for the previous group's store
 __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,amx-tile,amx-bf16")))
 void q4_amx_blocks(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint16_t* sl, float* y,
                    int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
   const int64_t G = K / 32, Q = K / 4, P = K / 2, T = std::min<int64_t>(M, kAmxRows);
-  TileConfig cfg;  // tmm0: C (T x 16 fp32), tmm1: A (T rows x 32 bf16), tmm2: B (16 pairs x 16 outputs)
-  cfg.rows[0] = cfg.rows[1] = (uint8_t)T;
-  cfg.colsb[0] = cfg.colsb[1] = 64;
-  cfg.rows[2] = 16;
-  cfg.colsb[2] = 64;
+  TileConfig cfg;  // tmm0 / tmm3: C (T x 16 fp32), tmm1 / tmm4: A (T rows x 32 bf16), tmm2 / tmm5: B (16 pairs x 16)
+  for (int set = 0; set < 2; ++set) {
+    cfg.rows[3 * set] = cfg.rows[3 * set + 1] = (uint8_t)T;
+    cfg.colsb[3 * set] = cfg.colsb[3 * set + 1] = 64;
+    cfg.rows[3 * set + 2] = 16;
+    cfg.colsb[3 * set + 2] = 64;
+  }
   _tile_loadconfig(&cfg);
-  alignas(64) uint16_t bt[16 * 32];  // one group's 4-bit values as bf16, rows = input pairs
-  alignas(64) float ct[kAmxRows * 16];
+  alignas(64) uint16_t bt[2][16 * 32];  // a group's 4-bit values as bf16, rows = input pairs (two groups)
+  alignas(64) float ct[2][kAmxRows * 16];
   std::vector<float> acc(M > kAmxRows ? M * 16 : 0);
   for (int64_t b = b0; b < b1; ++b) {
-    __m512 out[kAmxRows];
-    for (int r = 0; r < kAmxRows; ++r) out[r] = _mm512_setzero_ps();
-    std::fill(acc.begin(), acc.end(), 0.0f);
     const uint8_t* wb = wp + b * Q * 32;
-    for (int64_t g = 0; g < G; ++g) {
-      for (int t = 0; t < 8; ++t) {
-        const int64_t quad = g * 8 + t;
-        _mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);
-        __m512i wl, wh;
-        lookup_quad(wb + quad * 32, wl, wh);
-        _mm512_store_si512(bt + (2 * t) * 32, wl);
-        _mm512_store_si512(bt + (2 * t + 1) * 32, wh);
-      }
-      _tile_loadd(2, bt, 64);
-      const uint16_t* s = sl + ((b * G + g) * 2) * 16;
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
-      const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + 16)));
-      if (M <= kAmxRows) {  // one tile of rows: sums in registers
+    if (M <= kAmxRows) {  // one tile of rows: sums in registers, two groups at a time
+      __m512 out[kAmxRows];
+      for (int r = 0; r < kAmxRows; ++r) out[r] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; g += 2) {
+        const bool two = g + 1 < G;
+        group_tile(wb, g, bt[0]);
+        if (two) group_tile(wb, g + 1, bt[1]);
+        _tile_loadd(2, bt[0], 64);
         _tile_zero(0);
         _tile_loadd(1, xp + g * 16, P * 4);
         _tile_dpbf16ps(0, 1, 2);
-        _tile_stored(0, ct, 64);
-        for (int r = 0; r < M; ++r) {
-          out[r] = _mm512_fmadd_ps(_mm512_load_ps(ct + r * 16), scale, out[r]);
-          out[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * G + g]), out[r]);
+        if (two) {
+          _tile_loadd(5, bt[1], 64);
+          _tile_zero(3);
+          _tile_loadd(4, xp + (g + 1) * 16, P * 4);
+          _tile_dpbf16ps(3, 4, 5);
         }
-        continue;
+        _tile_stored(0, ct[0], 64);
+        if (two) _tile_stored(3, ct[1], 64);
+        for (int64_t h = g; h < g + (two ? 2 : 1); ++h) {  // each group scaled apart, in order
+          const uint16_t* s = sl + ((b * G + h) * 2) * 16;
+          const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
+          const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + 16)));
+          for (int r = 0; r < M; ++r) {
+            out[r] = _mm512_fmadd_ps(_mm512_load_ps(ct[h - g] + r * 16), scale, out[r]);
+            out[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * G + h]), out[r]);
+          }
+        }
       }
+      for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + r * N + b * 16, out[r]);
+      continue;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t g = 0; g < G; ++g) {
+      group_tile(wb, g, bt[0]);
+      _tile_loadd(2, bt[0], 64);
+      const uint16_t* s = sl + ((b * G + g) * 2) * 16;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
+      const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + 16)));
       for (int64_t r0 = 0; r0 < M; r0 += kAmxRows) {
         _tile_zero(0);
         _tile_loadd(1, xp + r0 * P + g * 16, P * 4);
         _tile_dpbf16ps(0, 1, 2);
-        _tile_stored(0, ct, 64);
+        _tile_stored(0, ct[0], 64);
         for (int64_t r = r0; r < std::min<int64_t>(r0 + kAmxRows, M); ++r) {
-          __m512 a = _mm512_fmadd_ps(_mm512_load_ps(ct + (r - r0) * 16), scale, _mm512_loadu_ps(&acc[r * 16]));
+          __m512 a = _mm512_fmadd_ps(_mm512_load_ps(ct[0] + (r - r0) * 16), scale, _mm512_loadu_ps(&acc[r * 16]));
           _mm512_storeu_ps(&acc[r * 16], _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * G + g]), a));
         }
       }
-    }
-    if (M <= kAmxRows) {
-      for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + r * N + b * 16, out[r]);
-      continue;
     }
     for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(y + r * N + b * 16, _mm512_loadu_ps(&acc[r * 16]));
   }

@@ -8,30 +8,16 @@ heads, head size 64), each read from memory as in a step, 256 cached keys; the t
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dart_lab import attention  # noqa: E402
-
-
-def build_at(rev: str):
-    src = subprocess.run(["git", "show", f"{rev}:dart_lab/csrc/attention.cpp"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    src = src.replace("TORCH_LIBRARY_FRAGMENT(dart_lab", "TORCH_LIBRARY_FRAGMENT(attn_rev") \
-             .replace("TORCH_LIBRARY_IMPL(dart_lab", "TORCH_LIBRARY_IMPL(attn_rev")
-    folder = Path(tempfile.mkdtemp())
-    (folder / "attn_rev.cpp").write_text(src)
-    load(name="attn_rev", sources=[str(folder / "attn_rev.cpp")], extra_cflags=["-O3", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    return torch.ops.attn_rev.decode_attn
+from kernel_at_rev import ops_at  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -43,7 +29,7 @@ def main(argv=None) -> int:
     if not attention.available():
         print(f"our attention kernel is not built here: {attention.reason()}")
         return 1
-    old, new = build_at(args.rev), torch.ops.dart_lab.decode_attn
+    old, new = ops_at("attention", args.rev).decode_attn, torch.ops.dart_lab.decode_attn
     g = torch.Generator().manual_seed(0)
     L, Hk, H, D, nk = 30, 3, 9, 64, 256
     for B in (int(b) for b in args.rows.split(",")):

@@ -1,0 +1,67 @@
+"""Is our 4-bit kernel (`dart_lab/csrc/q4mm.cpp`) faster than it was at another git revision, per row count?
+The kernel's source at `--rev` is built under its own op namespace beside the working tree's; one sweep over
+the embedded target's 120 decoder linear shapes (random 4-bit groups: the kernel's time does not depend on their
+values), the two alternating over 7 rounds, median of each round's fastest of 3. Each revision takes its own
+path for a row count (AVX-512 or AMX tiles, by its own threshold); outputs are compared bit for bit first.
+
+    python experiments/engine/q4_rev_ab.py --rev HEAD~1 [--rows 1,2,3,4,5,8,16,32]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dart_lab import q4  # noqa: E402
+from kernel_at_rev import ops_at  # noqa: E402
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30  # (K, N): qkv, o, gate|up, down x 30 layers
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", required=True)
+    ap.add_argument("--rows", default="1,2,3,4,5,8,16,32")
+    args = ap.parse_args(argv)
+    if not q4.available():
+        print(f"our 4-bit kernel is not built here: {q4.reason()}")
+        return 1
+    ops = {args.rev: ops_at("q4mm", args.rev).q4mm, "now": torch.ops.dart_lab.q4mm}
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, generator=g),
+                torch.randn(n * k // 16, generator=g).half(), n, k) for k, n in SHAPES]
+    rows = [int(r) for r in args.rows.split(",")]
+    xs = {m: {k: torch.randn(m, k, generator=g) for k in (576, 1536)} for m in rows}
+    for m in rows:
+        for wp, sl, n, k in weights[:4]:
+            same = torch.equal(*(op(xs[m][k], wp, sl, n, 1) for op in ops.values()))
+            if not same:
+                print(f"{m} rows: the outputs differ (another summation order or path)")
+                break
+
+    def sweep(op, m: int) -> float:
+        t = time.perf_counter()
+        for wp, sl, n, k in weights:
+            op(xs[m][k], wp, sl, n, 1)
+        return (time.perf_counter() - t) * 1e3
+
+    res = {(v, m): [] for v in ops for m in rows}
+    for r in range(7):
+        for v in (list(ops) if r % 2 == 0 else list(ops)[::-1]):
+            for m in rows:
+                sweep(ops[v], m)
+                res[(v, m)].append(min(sweep(ops[v], m) for _ in range(3)))
+    print("rows  " + "  ".join(f"{v:>10}" for v in ops) + "   (ms a sweep of the 120 linears)")
+    for m in rows:
+        print(f"{m:>4}  " + "  ".join(f"{statistics.median(res[(v, m)]):10.2f}" for v in ops))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
