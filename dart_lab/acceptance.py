@@ -63,7 +63,7 @@ def greedy_accept(tree: Tree, logits: torch.Tensor | list[int]) -> tuple[list[in
     """Longest path whose tokens equal the target argmax. Returns (node path from root, bonus token).
     logits: (N, V), or the argmax per node already taken (a batch takes all rows' at once: one
     device->host copy per step instead of one per row)."""
-    # (N,) one device->host copy; max's indices are argmax's (the first maximum), ~3x cheaper on a CPU
+    # (N,) one device->host copy; max's indices are argmax's (the first maximum), and cheaper on a CPU
     best = logits if isinstance(logits, list) else logits.max(-1).indices.tolist()
     tokens, children = tree.tokens.tolist(), tree.children()
     path, node = [0], 0

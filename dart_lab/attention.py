@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import kernels
 
 _state: dict = {}  # "reason": why the kernel is absent (None: built); (heads, kv_heads, head_dim): max nodes
-NODE_COUNTS = (1, 2, 4, 5, 6, 8, 16)  # nodes a row at which `prepare` times both (SDPA overtakes ours near 5-8)
+NODE_COUNTS = (1, 2, 4, 5, 6, 8, 16)  # nodes a row at which `prepare` times both (dense where SDPA overtakes ours)
 HEAD_DIMS = (16, 32, 64, 128)  # the kernel's
 
 

@@ -434,9 +434,8 @@ def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int, a
     so the curve keeps one level (a decoded one-token step beside timed trees of another moment would
     misprice every tree); then non-decreasing (`monotone`).
     Why: a timing loop verifies back to back, rows of one length, the root kept; decoded, a step also pays
-    its accept and its paths' cache compaction. 2 rows priced a one-token step at 27 ms that decoded in 19,
-    drafted trees, and lost; one sequence priced 5-node trees at 1.24x a token, decoded at 1.47x; 8 rows
-    priced copies of one token at 1.07x a step, decoded at 1.29x."""
+    its accept and its paths' cache compaction, and a cached curve was timed at another moment of the machine.
+    Priced by the loop alone, batches and single requests drafted trees that lost (docs/speed.md)."""
     kind = _step_kind(target, rows)
     seen = {n: interpolate(curve, n) * statistics.median(ms / interpolate(at(ctx), n) for ms, ctx in log)
             for (*k, n), log in target.step_log.items() if tuple(k) == kind and len(log) >= min_steps}

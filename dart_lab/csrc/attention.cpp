@@ -55,7 +55,7 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 constexpr int kRowsPerPass = 4;  // query rows sharing one pass over K and over V
 // K and V rows are requested this many keys ahead of their use: a step's attention streams the cache at close
-// to the memory's speed, and the hardware prefetcher alone left ~20 % of that on the table
+// to the memory's speed, and the hardware prefetcher alone left part of that on the table
 // (experiments/engine/attention_prefetch_ab.py)
 constexpr int64_t kAhead = 8;
 

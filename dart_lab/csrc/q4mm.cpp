@@ -142,8 +142,8 @@ inline void group_tile(const uint8_t* wb, int64_t g, uint16_t* bt) {
 // blocks b0..b1 of 16 outputs, on one thread (its own tile configuration). Each group's 4-bit values are
 // looked up once for all rows, which go through the tiles 16 at a time (xp padded to a multiple of 16 rows
 // when M > 16); each row's sums in registers for one tile of rows, else in acc (M x 16 fp32). With one tile of
-// rows, two groups go through two sets of tiles side by side: a tile register is not renamed, so one set
-// made each group's product wait for the previous group's store
+// rows, two groups go through two sets of tiles side by side: a tile register is not renamed, so with one set
+// each group's product would wait for the previous group's store
 __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,amx-tile,amx-bf16")))
 void q4_amx_blocks(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint16_t* sl, float* y,
                    int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
