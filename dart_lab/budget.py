@@ -437,7 +437,17 @@ def observed_curve(target, rows: int, curve: dict[int, float], min_steps: int, a
     its accept and its paths' cache compaction, and a cached curve was timed at another moment of the machine.
     Priced by the loop alone, batches and single requests drafted trees that lost (docs/speed.md)."""
     kind = _step_kind(target, rows)
-    seen = {n: interpolate(curve, n) * statistics.median(ms / interpolate(at(ctx), n) for ms, ctx in log)
+    # `at` hands back one curve for nearby contexts: each (curve, nodes) interpolated once; the curve is kept
+    # beside its value, so its id cannot pass to another curve while this runs
+    timed: dict = {}
+
+    def at_step(ctx: int, n: int) -> float:
+        c = at(ctx)
+        if (id(c), n) not in timed:
+            timed[id(c), n] = (interpolate(c, n), c)
+        return timed[id(c), n][0]
+
+    seen = {n: interpolate(curve, n) * statistics.median(ms / at_step(ctx, n) for ms, ctx in log)
             for (*k, n), log in target.step_log.items() if tuple(k) == kind and len(log) >= min_steps}
     if not seen:
         return curve

@@ -439,8 +439,8 @@ def test_one_sequence_prices_what_its_steps_took_when_decoded_each_at_its_contex
     assert plan({})["theta"] >= 1
     assert plan({1: (20.0, 10), 4: (200.0, 10)})["fallback_to_ar"]
     assert plan({1: (2.0, 10)})["theta"] >= 1  # the level alone
-    # each step against the timed curve where it ran: a one-token step of 20 ms after 1000 tokens is what the
-    # curve says there (10 + 0.01 + 10 ms), so at this request's context (12) it prices at the curve's 10.1
+    # each step against the timed curve where it ran: a one-token step that took what the curve says at its own
+    # long context prices at this request's short context as the curve says there (ratio 1), not at its raw ms
     plan({1: (20.01, 1000)})
     curve = observed_curve(target, ONE_SEQUENCE, {n: 10.0 + 0.01 * n + 0.12 for n in sizes}, k, at=r.controller._curve_at)
     assert curve[1] == pytest.approx(10.13, abs=0.2) and curve[64] == pytest.approx(10.76, abs=0.2)

@@ -89,8 +89,7 @@ constexpr RowsFn kRows[kMaxRows] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<
                                     q4_rows<5>, q4_rows<6>, q4_rows<7>, q4_rows<8>};
 
 // ---- AMX (Intel's tile unit): several rows at once. The AVX-512 path above spends two VDPBF16PS a row for
-// every 4 inputs of 16 outputs, so its cost grows with the rows (a step of 8 rows ~2.3x one row on an AMX
-// Xeon); one TDPBF16PS multiplies up to 16 rows by a group's 32 inputs for 16 outputs. Each group's 4-bit
+// every 4 inputs of 16 outputs, so its cost grows with the rows; one TDPBF16PS multiplies up to 16 rows by a group's 32 inputs for 16 outputs. Each group's 4-bit
 // values are looked up as bf16 (as above) into a 1 KB tile in the pair layout TDPBF16PS reads (the layout
 // VDPBF16PS reads too), the rows' bf16 inputs are loaded as they are, and each group's product is stored
 // and scaled apart (scale * sum q x + low * sum x): the same products and fp32 sums as the AVX-512 path.
