@@ -10,34 +10,26 @@ rounds, median of each round's fastest of 3.
 from __future__ import annotations
 
 import argparse
-import statistics
-import tempfile
-import time
+import sys
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
-SRC = Path(__file__).resolve().parents[2] / "dart_lab" / "csrc" / "attention.cpp"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_ab import alternate, build_ops, source, wall_ms  # noqa: E402
+
 AHEAD = "constexpr int64_t kAhead = 8;"
 VARIANTS = {"none": None, "4keys": 4, "8keys": 8, "16keys": 16}
 
 
-def build(name: str, ahead, folder: Path):
-    src = SRC.read_text()
+def build(name: str, ahead):
+    src = source("attention")
     assert AHEAD in src and src.count("_mm_prefetch(") == 2, "the kernel's prefetches changed: update this experiment"
     if ahead is None:  # the prefetch lines dropped
         src = "\n".join(line for line in src.splitlines() if "_mm_prefetch(" not in line)
     else:
         src = src.replace(AHEAD, f"constexpr int64_t kAhead = {ahead};")
-    ns = "attn_" + name
-    src = src.replace("TORCH_LIBRARY_FRAGMENT(dart_lab", f"TORCH_LIBRARY_FRAGMENT({ns}") \
-             .replace("TORCH_LIBRARY_IMPL(dart_lab", f"TORCH_LIBRARY_IMPL({ns}")
-    path = folder / f"{ns}.cpp"
-    path.write_text(src)
-    load(name=ns, sources=[str(path)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)
-    return getattr(torch.ops, ns).decode_attn
+    return build_ops(src, "attn_" + name).decode_attn
 
 
 def main(argv=None) -> int:
@@ -47,35 +39,25 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        ops = {name: build(name, ahead, Path(tmp)) for name, ahead in VARIANTS.items()}
+    ops = {name: build(name, ahead) for name, ahead in VARIANTS.items()}
     g = torch.Generator().manual_seed(0)
     L, Hk, H, D, cap = 30, 3, 9, 64, 512
     caches = {B: (torch.randn(L, B, Hk, cap, D, generator=g), torch.randn(L, B, Hk, cap, D, generator=g)) for B in rows}
     qs = {B: torch.randn(B, H, 1, D, generator=g) for B in rows}
     n = args.keys
-    ref = {B: [ops["none"](qs[B], caches[B][0][i, :, :, :n], caches[B][1][i, :, :, :n], None, D ** -0.5) for i in range(L)]
-           for B in rows}
+
+    def layers(op, B: int) -> list:
+        k, v = caches[B]
+        return [op(qs[B], k[i, :, :, :n], v[i, :, :, :n], None, D ** -0.5) for i in range(L)]
+
+    ref = {B: layers(ops["none"], B) for B in rows}
     for name, op in ops.items():  # the same arithmetic: every variant's output equals the kernel's
         for B in rows:
-            assert all(torch.equal(op(qs[B], caches[B][0][i, :, :, :n], caches[B][1][i, :, :, :n], None, D ** -0.5), ref[B][i])
-                       for i in range(L)), name
-
-    def sweep(op, B: int) -> float:
-        k, v = caches[B]
-        t = time.perf_counter()
-        for i in range(L):
-            op(qs[B], k[i, :, :, :n], v[i, :, :, :n], None, D ** -0.5)
-        return (time.perf_counter() - t) * 1e3
-
-    res = {(v, B): [] for v in ops for B in rows}
-    for r in range(args.rounds):
-        for v in (list(ops) if r % 2 == 0 else list(ops)[::-1]):
-            for B in rows:
-                sweep(ops[v], B)
-                res[(v, B)].append(min(sweep(ops[v], B) for _ in range(3)))
+            assert all(torch.equal(a, b) for a, b in zip(layers(op, B), ref[B])), name
+    ms = alternate({v: (lambda op: lambda B: wall_ms(lambda: layers(op, B)))(op) for v, op in ops.items()}, rows,
+                   args.rounds)
     for B in rows:
-        print(f"{B} rows x {n} keys, 30 layers: ms  " + "  ".join(f"{v} {statistics.median(res[(v, B)]):.3f}" for v in ops))
+        print(f"{B} rows x {n} keys, 30 layers: ms  " + "  ".join(f"{v} {ms[(v, B)]:.3f}" for v in ops))
     return 0
 
 

@@ -1,7 +1,8 @@
 """Is our decoding attention kernel (`dart_lab/csrc/attention.cpp`) faster than it was at another git revision,
 and than torch's SDPA, per (rows, nodes a row)? The kernel's source at `--rev` is built under its own op
 namespace beside the working tree's; 30 layers' caches of the embedded target's geometry (9 query heads, 3 key
-heads, head size 64), each read from memory as in a step, 256 cached keys; the three alternate, best of 7 rounds.
+heads, head size 64), each read from memory as in a step, 256 cached keys; the three alternate over 5 rounds,
+median of each round's fastest of 3.
 
     python experiments/engine/attention_rev_ab.py --rev HEAD~1 [--rows 1,8] [--nodes 1,2,4,5,8,16]
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dart_lab import attention  # noqa: E402
-from kernel_at_rev import ops_at  # noqa: E402
+from kernel_ab import alternate, ops_at, wall_ms  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -32,22 +32,22 @@ def main(argv=None) -> int:
     old, new = ops_at("attention", args.rev).decode_attn, torch.ops.dart_lab.decode_attn
     g = torch.Generator().manual_seed(0)
     L, Hk, H, D, nk = 30, 3, 9, 64, 256
+    nodes = [int(x) for x in args.nodes.split(",")]
     for B in (int(b) for b in args.rows.split(",")):
         caches = [(torch.randn(B, Hk, 2 * nk, D, generator=g), torch.randn(B, Hk, 2 * nk, D, generator=g)) for _ in range(L)]
-        for n in (int(x) for x in args.nodes.split(",")):
-            q = torch.randn(B, H, n, D, generator=g)
-            mask = torch.zeros(1, 1, n, nk)
-            mask[..., nk - n:] = torch.zeros(n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-            fs = {args.rev: lambda: [old(q, K[:, :, :nk], V[:, :, :nk], mask, 0.125) for K, V in caches],
-                  "now": lambda: [new(q, K[:, :, :nk], V[:, :, :nk], mask, 0.125) for K, V in caches],
-                  "sdpa": lambda: [attention._sdpa(q, K, V, mask, nk, 0.125) for K, V in caches]}
-            t = {k: [] for k in fs}
-            for _ in range(8):
-                for k, f in fs.items():
-                    t0 = time.perf_counter()
-                    f()
-                    t[k].append((time.perf_counter() - t0) * 1e3)
-            print(f"{B} rows x {n} nodes, 30 layers: ms  " + "  ".join(f"{k} {min(v[1:]):.3f}" for k, v in t.items()),
+        qs = {n: torch.randn(B, H, n, D, generator=g) for n in nodes}
+        masks = {n: torch.zeros(1, 1, n, nk) for n in nodes}
+        for n in nodes:
+            masks[n][..., nk - n:] = torch.zeros(n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+
+        def timer(op):
+            return lambda n: wall_ms(lambda: [op(qs[n], K[:, :, :nk], V[:, :, :nk], masks[n], 0.125) for K, V in caches])
+
+        ms = alternate({args.rev: timer(old), "now": timer(new),
+                        "sdpa": lambda n: wall_ms(lambda: [attention._sdpa(qs[n], K, V, masks[n], nk, 0.125)
+                                                           for K, V in caches])}, nodes, 5)
+        for n in nodes:
+            print(f"{B} rows x {n} nodes, 30 layers: ms  " + "  ".join(f"{k} {ms[(k, n)]:.3f}" for k in (args.rev, "now", "sdpa")),
                   flush=True)
     return 0
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dart_lab import q4  # noqa: E402
-
-SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30  # (K, N): qkv, o, gate|up, down x 30 layers
+from kernel_ab import Q4_SHAPES as SHAPES, alternate, wall_ms  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -50,37 +49,26 @@ def main(argv=None) -> int:
     xb = {m: {k: v.to(torch.bfloat16) for k, v in d.items()} for m, d in xs.items()}
 
     def q4_sweep(m: int) -> float:
-        t = time.perf_counter()
-        for lin, (k, _) in zip(lins, SHAPES):
-            lin(xs[m][k])
-        return (time.perf_counter() - t) * 1e3
+        return wall_ms(lambda: [lin(xs[m][k]) for lin, (k, _) in zip(lins, SHAPES)])
 
     def bf16_sweep(m: int) -> float:
-        t = time.perf_counter()
-        for w, (k, _) in zip(dense, SHAPES):
-            F.linear(xb[m][k], w)
-        return (time.perf_counter() - t) * 1e3
+        return wall_ms(lambda: [F.linear(xb[m][k], w) for w, (k, _) in zip(dense, SHAPES)])
 
     paths = {"avx512": (lambda m: (q4.amx_rows(0), q4_sweep(m))[1]),
              "amx": (lambda m: (q4.amx_rows(1), q4_sweep(m))[1]),
              "bf16": bf16_sweep}
-    res = {(p, m): [] for p in paths for m in rows}
     # agreement of the two paths (the same products and fp32 sums, in another order)
     q4.amx_rows(0)
     a = [lin(xs[rows[-1]][k]) for lin, (k, _) in zip(lins[:4], SHAPES)]
     q4.amx_rows(1)
     b = [lin(xs[rows[-1]][k]) for lin, (k, _) in zip(lins[:4], SHAPES)]
     err = max((u - v).abs().max().item() / v.abs().max().item() for u, v in zip(a, b))
-    for r in range(args.rounds):
-        for p in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-            for m in rows:
-                paths[p](m)
-                res[(p, m)].append(min(paths[p](m) for _ in range(3)))
+    ms = alternate(paths, rows, args.rounds)
     q4.amx_rows(default)
     print(f"AMX path from {default} rows by default; AMX vs AVX-512 max relative difference {err:.1e}")
     print("rows  " + "  ".join(f"{p:>8}" for p in paths) + "   (ms a sweep of the 120 linears)")
     for m in rows:
-        print(f"{m:4d}  " + "  ".join(f"{statistics.median(res[(p, m)]):8.2f}" for p in paths))
+        print(f"{m:4d}  " + "  ".join(f"{ms[(p, m)]:8.2f}" for p in paths))
     return 0
 
 

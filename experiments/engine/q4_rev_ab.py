@@ -9,9 +9,7 @@ path for a row count (AVX-512 or AMX tiles, by its own threshold); outputs are c
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -19,9 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dart_lab import q4  # noqa: E402
-from kernel_at_rev import ops_at  # noqa: E402
-
-SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30  # (K, N): qkv, o, gate|up, down x 30 layers
+from kernel_ab import alternate, ops_at, q4_sweep, q4_weights  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,32 +30,18 @@ def main(argv=None) -> int:
         return 1
     ops = {args.rev: ops_at("q4mm", args.rev).q4mm, "now": torch.ops.dart_lab.q4mm}
     g = torch.Generator().manual_seed(0)
-    weights = [(torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, generator=g),
-                torch.randn(n * k // 16, generator=g).half(), n, k) for k, n in SHAPES]
+    weights = q4_weights(g)
     rows = [int(r) for r in args.rows.split(",")]
     xs = {m: {k: torch.randn(m, k, generator=g) for k in (576, 1536)} for m in rows}
     for m in rows:
         for wp, sl, n, k in weights[:4]:
-            same = torch.equal(*(op(xs[m][k], wp, sl, n, 1) for op in ops.values()))
-            if not same:
+            if not torch.equal(*(op(xs[m][k], wp, sl, n, 1) for op in ops.values())):
                 print(f"{m} rows: the outputs differ (another summation order or path)")
                 break
-
-    def sweep(op, m: int) -> float:
-        t = time.perf_counter()
-        for wp, sl, n, k in weights:
-            op(xs[m][k], wp, sl, n, 1)
-        return (time.perf_counter() - t) * 1e3
-
-    res = {(v, m): [] for v in ops for m in rows}
-    for r in range(7):
-        for v in (list(ops) if r % 2 == 0 else list(ops)[::-1]):
-            for m in rows:
-                sweep(ops[v], m)
-                res[(v, m)].append(min(sweep(ops[v], m) for _ in range(3)))
+    ms = alternate({v: (lambda op: lambda m: q4_sweep(op, xs[m], weights))(op) for v, op in ops.items()}, rows, 7)
     print("rows  " + "  ".join(f"{v:>10}" for v in ops) + "   (ms a sweep of the 120 linears)")
     for m in rows:
-        print(f"{m:>4}  " + "  ".join(f"{statistics.median(res[(v, m)]):10.2f}" for v in ops))
+        print(f"{m:>4}  " + "  ".join(f"{ms[(v, m)]:10.2f}" for v in ops))
     return 0
 
 
