@@ -649,8 +649,8 @@ class FastTarget(Target):
     # writes by index_copy_; 4: fused norms and one-pass rotation for fp32 activations; 5: steps of a few
     # nodes a row on our attention kernel where it measures faster, attention.py; 6: eager fp32 norms on our
     # one-pass op, csrc/norm.cpp; 7: the attention kernel prefetches K and V; 8: it cuts a tree's query rows
-    # into blocks over the threads)
-    runner_revision = 8
+    # into blocks over the threads; 9: it skips the keys every position of a row masks)
+    runner_revision = 9
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,

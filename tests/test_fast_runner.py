@@ -480,6 +480,23 @@ def test_attention_kernel_is_sdpa_to_fp32_rounding():
         V2[:, :, :nk][~allowed[:, 0, 0, None, :, None].expand(B, Hk, nk, D)] = 1e30  # row 0's masked keys
         one = lambda V: torch.ops.dart_lab.decode_attn(q[:, :, :1], K[:, :, :nk], V[:, :, :nk], mask[:, :, :1], 0.1)  # noqa: E731
         assert torch.equal(one(V2), one(V))
+    # a batch row's slots past its own keys (up to the longest row's) masked for every position are not read:
+    # the row computes exactly what it computes alone over its keys and its tree's
+    B, H, Hk, D, N, nk = 3, 9, 3, 64, 3, 90
+    q = torch.randn(B, H, N, D, generator=g)
+    K, V = torch.randn(B, Hk, nk, D, generator=g), torch.randn(B, Hk, nk, D, generator=g)
+    lens, P = (70, 41, 19), nk - N
+    allowed = torch.zeros(B, 1, N, nk, dtype=torch.bool)
+    allowed[..., P:] = torch.ones(N, N, dtype=torch.bool).tril()
+    for b, n in enumerate(lens):
+        allowed[b, ..., :n] = True
+    mask = torch.zeros(B, 1, N, nk).masked_fill_(~allowed, float("-inf"))
+    got = torch.ops.dart_lab.decode_attn(q, K, V, mask, 0.125)
+    for b, n in enumerate(lens):
+        keys = torch.cat([torch.arange(n), torch.arange(P, nk)])
+        alone = torch.ops.dart_lab.decode_attn(q[b:b + 1], K[b:b + 1, :, keys], V[b:b + 1, :, keys],
+                                               mask[b:b + 1, ..., keys], 0.125)
+        assert torch.equal(got[b:b + 1], alone)
 
 
 @pytest.mark.parametrize("nodes", [0, 16])  # SDPA for every step; our kernel up to 16 nodes a row

@@ -5,7 +5,7 @@
 // most of its time outside the arithmetic, reading the cache at a fraction of the memory's speed. Here
 // each (row, key head) reads its K and V once, for all the query heads that share them (grouped-query
 // attention without repeating K/V): scores, an exact softmax (max subtracted, fp32), then the weighted sum
-// of V. Masked keys (-inf) weigh exactly 0.
+// of V. Masked keys (-inf) weigh exactly 0; a key that every query position of its row masks is not read.
 //
 // Shapes: q (B, H, N, D) fp32; k, v (B, Hk, n_keys, D) fp32 with D contiguous (views of a longer cache are
 // fine); mask (B or 1, 1, N, n_keys) additive fp32 or none (every key visible); H a multiple of Hk; D = 16,
@@ -65,14 +65,49 @@ struct Geometry {
   int64_t mb, mn;                  // mask strides: row (0: one mask for every row), query position
 };
 
+// The keys of batch row b that at least one of its query positions sees, as spans [first, end) in order: a key
+// every position masks (-inf) weighs exactly 0, so it is not read. In a batch a row's committed keys end where
+// its own prompt and tokens do, before the longest row's: the slots between are masked for it, and reading
+// them was a share of a batched step's attention that grows with the rows' differences in length.
+__attribute__((target("avx512f")))
+void live_spans(const Geometry& s, const float* M, std::vector<std::pair<int64_t, int64_t>>& spans) {
+  spans.clear();
+  if (!M) {
+    spans.emplace_back(0, s.nk);
+    return;
+  }
+  const __m512 dead = _mm512_set1_ps(-INFINITY);
+  int64_t open = -1;  // first key of the span being built, -1: none
+  for (int64_t j0 = 0; j0 < s.nk; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, s.nk - j0);
+    const __mmask16 in = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+    __mmask16 seen = 0;
+    for (int64_t p = 0; p < s.N && seen != in; ++p)
+      seen |= _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, M + p * s.mn + j0), dead, _CMP_NEQ_UQ);
+    if (seen == in && open >= 0) continue;  // the whole chunk extends the open span
+    for (int64_t j = 0; j < n; ++j) {
+      const bool live = (seen >> j) & 1;
+      if (live && open < 0) open = j0 + j;
+      if (!live && open >= 0) {
+        spans.emplace_back(open, j0 + j);
+        open = -1;
+      }
+    }
+  }
+  if (open >= 0) spans.emplace_back(open, s.nk);
+}
+
 // One (batch row b, key head g): rows [r_begin, r_end) of the G query heads sharing it x N positions (R = G N
-// rows, contiguous in q and out; row r is position r % N). C = D / 16 vectors a head.
+// rows, contiguous in q and out; row r is position r % N) over the live keys `spans`. C = D / 16 vectors a head.
 template <int C>
 __attribute__((target("avx512f")))
 void head_group(const Geometry& s, const float* q, const float* k, const float* v, const float* mask, float* out,
-                int64_t b, int64_t g, int64_t r_begin, int64_t r_end, std::vector<float>& sc) {
+                int64_t b, int64_t g, int64_t r_begin, int64_t r_end, std::vector<float>& sc,
+                const std::vector<std::pair<int64_t, int64_t>>& spans) {
   constexpr int D = 16 * C;
-  const int64_t R = r_end - r_begin, nk = s.nk;
+  int64_t nk = 0;  // live keys; scores are stored for those only, in key order
+  for (const auto& sp : spans) nk += sp.second - sp.first;
+  const int64_t R = r_end - r_begin;
   const float* Q = q + (b * s.H + g * s.G) * s.N * D;
   float* O = out + (b * s.H + g * s.G) * s.N * D;
   const float* K = k + b * s.kb + g * s.kh;
@@ -89,22 +124,25 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
       for (int c = 0; c < C; ++c)
         qv[i][c] = i < rn ? _mm512_loadu_ps(Q + (r0 + i) * D + 16 * c) : _mm512_setzero_ps();
     float m4[kRowsPerPass] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    for (int64_t j = 0; j < nk; ++j) {
-      __m512 a[kRowsPerPass];
-      const float* kj = K + j * s.kr;
-      for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_setzero_ps();
-      for (int c = 0; c < C; ++c) {
-        _mm_prefetch((const char*)(kj + kAhead * s.kr + 16 * c), _MM_HINT_T0);
-        const __m512 kc = _mm512_loadu_ps(kj + 16 * c);
-        for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_fmadd_ps(qv[i][c], kc, a[i]);
-      }
-      float x[4];
-      _mm_storeu_ps(x, sum4(a[0], a[1], a[2], a[3]));
-      for (int i = 0; i < rn; ++i) {
-        const int64_t r = r0 + i;
-        const float xi = M ? x[i] + M[(r % s.N) * s.mn + j] : x[i];
-        sc[(r - r_begin) * nk + j] = xi;
-        m4[i] = std::max(m4[i], xi);
+    int64_t at = 0;  // the key's place among the live ones
+    for (const auto& sp : spans) {
+      for (int64_t j = sp.first; j < sp.second; ++j, ++at) {
+        __m512 a[kRowsPerPass];
+        const float* kj = K + j * s.kr;
+        for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          _mm_prefetch((const char*)(kj + kAhead * s.kr + 16 * c), _MM_HINT_T0);
+          const __m512 kc = _mm512_loadu_ps(kj + 16 * c);
+          for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_fmadd_ps(qv[i][c], kc, a[i]);
+        }
+        float x[4];
+        _mm_storeu_ps(x, sum4(a[0], a[1], a[2], a[3]));
+        for (int i = 0; i < rn; ++i) {
+          const int64_t r = r0 + i;
+          const float xi = M ? x[i] + M[(r % s.N) * s.mn + j] : x[i];
+          sc[(r - r_begin) * nk + at] = xi;
+          m4[i] = std::max(m4[i], xi);
+        }
       }
     }
     for (int i = 0; i < rn; ++i) mx[r0 - r_begin + i] = m4[i];
@@ -134,15 +172,18 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
     __m512 o[kRowsPerPass][C];
     for (int i = 0; i < kRowsPerPass; ++i)
       for (int c = 0; c < C; ++c) o[i][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nk; ++j) {
-      __m512 vj[C];
-      for (int c = 0; c < C; ++c) {
-        _mm_prefetch((const char*)(V + (j + kAhead) * s.vr + 16 * c), _MM_HINT_T0);
-        vj[c] = _mm512_loadu_ps(V + j * s.vr + 16 * c);
-      }
-      for (int i = 0; i < rn; ++i) {
-        const __m512 p = _mm512_set1_ps(sc[(r0 - r_begin + i) * nk + j]);
-        for (int c = 0; c < C; ++c) o[i][c] = _mm512_fmadd_ps(p, vj[c], o[i][c]);
+    int64_t at = 0;
+    for (const auto& sp : spans) {
+      for (int64_t j = sp.first; j < sp.second; ++j, ++at) {
+        __m512 vj[C];
+        for (int c = 0; c < C; ++c) {
+          _mm_prefetch((const char*)(V + (j + kAhead) * s.vr + 16 * c), _MM_HINT_T0);
+          vj[c] = _mm512_loadu_ps(V + j * s.vr + 16 * c);
+        }
+        for (int i = 0; i < rn; ++i) {
+          const __m512 p = _mm512_set1_ps(sc[(r0 - r_begin + i) * nk + at]);
+          for (int c = 0; c < C; ++c) o[i][c] = _mm512_fmadd_ps(p, vj[c], o[i][c]);
+        }
       }
     }
     for (int i = 0; i < rn; ++i) {
@@ -195,14 +236,20 @@ at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t n_blocks = (R + rows_per_block - 1) / rows_per_block;
   at::parallel_for(0, pairs * n_blocks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> sc;
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    int64_t spans_of = -1;  // the batch row `spans` were found for (every key head of a row shares its mask)
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pair = t / n_blocks, r0 = t % n_blocks * rows_per_block, r1 = std::min(R, r0 + rows_per_block);
       const int64_t b = pair / Hk, g = pair % Hk;
+      if (b != spans_of) {
+        live_spans(s, mp ? mp + b * s.mb : nullptr, spans);
+        spans_of = b;
+      }
       switch (D) {
-        case 16: head_group<1>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc); break;
-        case 32: head_group<2>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc); break;
-        case 64: head_group<4>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc); break;
-        default: head_group<8>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc);
+        case 16: head_group<1>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc, spans); break;
+        case 32: head_group<2>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc, spans); break;
+        case 64: head_group<4>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc, spans); break;
+        default: head_group<8>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc, spans);
       }
     }
   });

@@ -2,9 +2,10 @@
 and than torch's SDPA, per (rows, nodes a row)? The kernel's source at `--rev` is built under its own op
 namespace beside the working tree's; 30 layers' caches of the embedded target's geometry (9 query heads, 3 key
 heads, head size 64), each read from memory as in a step, 256 cached keys; the three alternate over 5 rounds,
-median of each round's fastest of 3.
+median of each round's fastest of 3. `--spread F`: rows of a batch as long as a batch's are (row b's own keys
+end F b / (B - 1) of the way short of the longest row's, the slots between masked for it, its tree after them).
 
-    python experiments/engine/attention_rev_ab.py --rev HEAD~1 [--rows 1,8] [--nodes 1,2,4,5,8,16]
+    python experiments/engine/attention_rev_ab.py --rev HEAD~1 [--rows 1,8] [--nodes 1,2,4,5,8,16] [--spread 0.4]
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rev", required=True)
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--nodes", default="1,2,4,5,8,16")
+    ap.add_argument("--spread", type=float, default=0.0)
     args = ap.parse_args(argv)
     if not attention.available():
         print(f"our attention kernel is not built here: {attention.reason()}")
@@ -36,9 +38,12 @@ def main(argv=None) -> int:
     for B in (int(b) for b in args.rows.split(",")):
         caches = [(torch.randn(B, Hk, 2 * nk, D, generator=g), torch.randn(B, Hk, 2 * nk, D, generator=g)) for _ in range(L)]
         qs = {n: torch.randn(B, H, n, D, generator=g) for n in nodes}
-        masks = {n: torch.zeros(1, 1, n, nk) for n in nodes}
+        masks = {n: torch.zeros(B if args.spread else 1, 1, n, nk) for n in nodes}
         for n in nodes:
             masks[n][..., nk - n:] = torch.zeros(n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+            for b in range(B if args.spread else 0):
+                own = round((nk - n) * (1 - args.spread * b / max(B - 1, 1)))
+                masks[n][b, ..., own:nk - n] = float("-inf")
 
         def timer(op):
             return lambda n: wall_ms(lambda: [op(qs[n], K[:, :, :nk], V[:, :, :nk], masks[n], 0.125) for K, V in caches])
