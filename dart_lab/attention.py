@@ -4,7 +4,8 @@ for steps of a few positions a row, torch's SDPA for everything else (a prompt, 
 Why: torch's CPU SDPA kernel is built for long queries; a step of 1-4 new positions a row spends most of
 its time outside the arithmetic and reads the cache at a fraction of the memory's speed -- a visible share
 of a one-token step, and the largest single cost of a batched one (docs/speed.md). Ours reads each row's
-K and V once for all the query heads sharing them, in fp32 with an exact softmax; it is used up to the
+K and V once for all the query heads sharing them, from an fp32 or a bf16 cache (half the bytes: a batch's
+step streams more K/V than weights), computing in fp32 with an exact softmax; it is used up to the
 largest node count a row at which it measured faster than SDPA on this machine (`prepare`, once per
 process and head geometry), so a CPU where it loses never takes it. Built on first use
 (`kernels.build`); it needs AVX-512 (`reason()` says why it is absent).
@@ -18,9 +19,10 @@ import torch.nn.functional as F
 
 from . import kernels
 
-_state: dict = {}  # "reason": why the kernel is absent (None: built); (heads, kv_heads, head_dim): max nodes
+_state: dict = {}  # "reason": why the kernel is absent (None: built); (heads, kv_heads, head_dim, K/V dtype): max nodes
 NODE_COUNTS = (1, 2, 4, 5, 6, 8, 16)  # nodes a row at which `prepare` times both (dense where SDPA overtakes ours)
 HEAD_DIMS = (16, 32, 64, 128)  # the kernel's
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches it reads
 
 
 def _register_fake():
@@ -39,26 +41,29 @@ def available() -> bool:
 
 
 def _sdpa(q, K, V, mask, n_keys: int, scale: float, causal: bool = False) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, K[:, :, :n_keys], V[:, :, :n_keys], attn_mask=mask, is_causal=causal,
-                                          scale=scale, enable_gqa=K.shape[1] != q.shape[1])
+    """torch's SDPA in q's dtype (a narrower cache's keys widened for the call)."""
+    K, V = K[:, :, :n_keys].to(q.dtype), V[:, :, :n_keys].to(q.dtype)
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=K.shape[1] != q.shape[1])
 
 
 @torch.no_grad()
-def prepare(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> int:
-    """The most nodes a row for which our kernel is taken with this head geometry (0: never), measured once
-    per process: one row over 256 cached keys of 8 layers' caches (each read from memory, as in a step),
-    both kernels interleaved, the faster of 3 rounds, at each of NODE_COUNTS; the kernel is kept up to the
-    first count where SDPA is as fast."""
-    key = (heads, kv_heads, head_dim)
+def prepare(heads: int, kv_heads: int, head_dim: int, device: torch.device, kv_dtype=torch.float32) -> int:
+    """The most nodes a row for which our kernel is taken with this head geometry and K/V cache dtype (0:
+    never), measured once per process: one row over 256 cached keys of 8 layers' caches (each read from
+    memory, as in a step), both kernels interleaved, the faster of 3 rounds, at each of NODE_COUNTS; the
+    kernel is kept up to the first count where SDPA (on the keys widened to fp32) is as fast."""
+    key = (heads, kv_heads, head_dim, kv_dtype)
     if key in _state:
         return _state[key]
-    if torch.device(device).type != "cpu" or head_dim not in HEAD_DIMS or heads % kv_heads or not available():
+    if (torch.device(device).type != "cpu" or head_dim not in HEAD_DIMS or heads % kv_heads or not available()
+            or kv_dtype not in KV_DTYPES):
         _state[key] = 0
         return 0
     g = torch.Generator().manual_seed(0)
     nk, layers = 256, 8
-    caches = [(torch.randn(1, kv_heads, 2 * nk, head_dim, generator=g),
-               torch.randn(1, kv_heads, 2 * nk, head_dim, generator=g)) for _ in range(layers)]
+    caches = [(torch.randn(1, kv_heads, 2 * nk, head_dim, generator=g).to(kv_dtype),
+               torch.randn(1, kv_heads, 2 * nk, head_dim, generator=g).to(kv_dtype)) for _ in range(layers)]
     best = 0
     for n in NODE_COUNTS:
         q = torch.randn(1, heads, n, head_dim, generator=g)
@@ -80,22 +85,24 @@ def prepare(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> i
 
 
 def override(heads: int, kv_heads: int, head_dim: int, nodes: int | None) -> None:
-    """Take our kernel up to `nodes` nodes a row for this head geometry (0: SDPA for every step), or None: forget
-    it, so the next `prepare` measures again -- for A/B timings and tests. A compiled step keeps what it was
-    traced with."""
-    if nodes is None:
-        _state.pop((heads, kv_heads, head_dim), None)
-    else:
-        _state[(heads, kv_heads, head_dim)] = nodes
+    """Take our kernel up to `nodes` nodes a row for this head geometry, either cache dtype (0: SDPA for every
+    step), or None: forget it, so the next `prepare` measures again -- for A/B timings and tests. A compiled
+    step keeps what it was traced with."""
+    for dt in KV_DTYPES:
+        if nodes is None:
+            _state.pop((heads, kv_heads, head_dim, dt), None)
+        else:
+            _state[(heads, kv_heads, head_dim, dt)] = nodes
 
 
 def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, n_keys: int, scale: float,
            causal: bool = False) -> torch.Tensor:
-    """softmax(q K^T * scale + mask) V over cache slots [0, n_keys): q (B, H, N, D); K, V (B, Hk, capacity, D);
-    mask (B or 1, 1, N, n_keys) additive, or None (every key; `causal`: a prompt's causal mask). Returns
-    (B, H, N, D). Our kernel where `prepare` measured it faster for N nodes a row, else SDPA."""
+    """softmax(q K^T * scale + mask) V over cache slots [0, n_keys): q (B, H, N, D); K, V (B, Hk, capacity, D),
+    in q's dtype or narrower (a bf16 cache under fp32 attention); mask (B or 1, 1, N, n_keys) additive in q's
+    dtype, or None (every key; `causal`: a prompt's causal mask). Returns (B, H, N, D) in q's dtype. Our
+    kernel where `prepare` measured it faster for N nodes a row and this cache dtype, else SDPA."""
     B, H, N, D = q.shape
-    if (not causal and N <= _state.get((H, K.shape[1], D), 0) and q.dtype == torch.float32 and K.dtype == torch.float32
+    if (not causal and N <= _state.get((H, K.shape[1], D, K.dtype), 0) and q.dtype == torch.float32
             and q.device.type == "cpu"):
         return torch.ops.dart_lab.decode_attn(q, K[:, :, :n_keys], V[:, :, :n_keys], mask, scale)
     return _sdpa(q, K, V, mask, n_keys, scale, causal)

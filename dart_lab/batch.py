@@ -67,7 +67,7 @@ class BatchTarget:
 
     @property
     def _mask_dtype(self) -> torch.dtype:
-        return self.target.cache_dtype if self.fast else self.target.dtype
+        return self.target.attention_dtype if self.fast else self.target.dtype
 
     # -- masks
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -104,6 +104,7 @@ class BatchTarget:
         t = self.target
         if self._k is not None and self._k.shape[3] >= n:
             return
+        t.attention_nodes  # measured before the first step with this cache (not inside a compiled graph)
         cap = min(n + self.capacity_step, max(t.max_context + 64, n))
         shape = (t.num_layers, self.batch_size, t.n_kv, cap, t.head_dim)
         k = torch.zeros(shape, dtype=t.cache_dtype, device=t.device)

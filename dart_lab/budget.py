@@ -108,7 +108,8 @@ def fingerprint(target) -> dict:
             "torch": torch.__version__, "target": target.name, "layers": target.num_layers,
             "hidden": target.hidden_size, "dtype": getattr(target, "precision", str(target.dtype)), "runner": getattr(target, "runner", "hf"),
             "packed_weights": getattr(target, "packs_weights", False),
-            "attention_dtype": str(getattr(target, "cache_dtype", target.dtype)),
+            "attention_dtype": str(getattr(target, "attention_dtype", target.dtype)),
+            "cache_dtype": str(getattr(target, "cache_dtype", target.dtype)),
             "attention_kernel_nodes": getattr(target, "attention_nodes", 0),  # steps on our kernel (attention.py)
             "norm_kernel": kernels.rms_norm_here() if getattr(target, "runner", "hf") == "fast" else False,
             "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve

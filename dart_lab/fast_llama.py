@@ -7,7 +7,8 @@ grows by concatenation every step, the full hidden-states tuple -- not the matmu
   - a preallocated KV cache (L, 1, kv_heads, capacity, head_dim) per K and V, written in place;
     compaction of the accepted path is ONE gather/scatter over all layers (`commit`);
   - tree attention with an additive (N, P+N) mask built once per step, GQA without repeating K/V; for a
-    half type on a CPU the cache and the attention are fp32 (the CPU kernels are faster there); steps of a
+    half type on a CPU the attention is fp32 (the CPU kernels are faster there), over a bf16 K/V cache where
+    our kernel reads one (`cache_dtype`: half the bytes a step streams), else fp32; steps of a
     few nodes a row on our attention kernel where it measured faster than SDPA (`attention.attend`);
   - the three aux states taken where they are produced (inputs of layers 2, L//2, L-3);
   - logits only where needed (prefill: the last row unless asked for all);
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .attention import attend, prepare as prepare_attention
+from .attention import attend, available as attention_available, prepare as prepare_attention
 from .q4 import Q4Linear
 from .target import Target, TargetOutput
 from .tree import Tree
@@ -460,7 +461,7 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     `rows` slice, V) and (N, 3H); a batch -> logits of the flat node indices `rows` into B * N (all when
     None), (M, V), and aux (B, N, 3H).
     """
-    nh, nkv, hd, scaling, qk_norm, aux_layers = geometry
+    nh, nkv, hd, scaling, qk_norm, aux_layers, attention_dtype = geometry
     inner = model.model
     batched = ids.dim() == 2
     if not batched:
@@ -485,7 +486,12 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         K, V = caches[0][i], caches[1][i]
         K.index_copy_(2, slots, k.to(K.dtype))
         V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
-        o = attend(q.to(K.dtype), K, V, attn_mask, n_keys, scaling, causal).to(x.dtype)
+        if causal:  # a prompt into an empty cache: its own K/V are every key, taken before the cache's rounding
+            o = attend(q.to(attention_dtype), k.to(attention_dtype), v.transpose(1, 2).to(attention_dtype), None,
+                       n_keys, scaling, causal)
+        else:
+            o = attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal)
+        o = o.to(x.dtype)
         x = x + o_proj(o.transpose(1, 2).reshape(B, N, nh * hd))
         gate, up = gate_up(_rms_norm(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
         x = x + down(layer.mlp.act_fn(gate) * up)
@@ -632,7 +638,11 @@ class FastTarget(Target):
     """`Target` with the lean forward (module docstring). Same protocol: prefill, verify, commit."""
 
     capacity_step: int = 512  # the cache grows in steps of this many positions (rarely: one reallocation)
-    fp32_attention: bool = True  # CPU, half types: K/V cache and attention in fp32 (see _forward)
+    fp32_attention: bool = True  # CPU, half types: attention in fp32 (see _forward)
+    # CPU with our attention kernel, bf16 or 4-bit weights: the K/V cache stored in bf16, half the bytes a step
+    # streams (a batch's step reads more K/V than weights); exact for bf16 weights (their K/V are bf16 values),
+    # for 4-bit ones part of that arithmetic (its matmuls already take bf16 inputs). fp32 weights keep fp32.
+    bf16_cache: bool = True
     pack_weights: bool = True  # CPU, fp32/bf16: oneDNN-packed fused projections (module docstring)
     # torch.compile of one-token steps and tree verifies (StepGraph; prefill stays eager): off by default,
     # compiling costs tens of seconds per shape on a small CPU and pays only over long runs
@@ -649,8 +659,8 @@ class FastTarget(Target):
     # writes by index_copy_; 4: fused norms and one-pass rotation for fp32 activations; 5: steps of a few
     # nodes a row on our attention kernel where it measures faster, attention.py; 6: eager fp32 norms on our
     # one-pass op, csrc/norm.cpp; 7: the attention kernel prefetches K and V; 8: it cuts a tree's query rows
-    # into blocks over the threads; 9: it skips the keys every position of a row masks)
-    runner_revision = 9
+    # into blocks over the threads; 9: it skips the keys every position of a row masks; 10: bf16 K/V caches)
+    runner_revision = 10
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
@@ -676,9 +686,6 @@ class FastTarget(Target):
         self.scaling = getattr(att, "scaling", self.head_dim ** -0.5)
         self.qk_norm = hasattr(att, "q_norm")
         self.runner = "fast"
-        # which steps take our attention kernel (attention.py): measured once per process and geometry, here
-        # rather than inside a compiled graph's tracing
-        self.attention_nodes = prepare_attention(self.n_heads, self.n_kv, self.head_dim, self.device)
         self._k = self._v = None
         self._packed, self._packed_key, self._params = None, None, None
         self._int4_packed, self._int4_key, self._int4_rows = None, None, None
@@ -770,15 +777,32 @@ class FastTarget(Target):
 
     # -- cache
     @property
-    def cache_dtype(self) -> torch.dtype:
+    def attention_dtype(self) -> torch.dtype:
+        """The dtype attention computes in (queries, additive masks)."""
         half = self.dtype in (torch.bfloat16, torch.float16)
         return torch.float32 if (self.fp32_attention and half and self.device.type == "cpu") else self.dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the K/V cache is stored in (`bf16_cache`)."""
+        narrow = self.dtype == torch.bfloat16 or self.weights == "int4"
+        if (self.bf16_cache and narrow and self.attention_dtype == torch.float32 and self.device.type == "cpu"
+                and attention_available()):
+            return torch.bfloat16
+        return self.attention_dtype
+
+    @property
+    def attention_nodes(self) -> int:
+        """The most nodes a row a step takes our attention kernel for (attention.py), measured once per process,
+        head geometry and cache dtype -- asked before a forward, not inside a compiled graph's tracing."""
+        return prepare_attention(self.n_heads, self.n_kv, self.head_dim, self.device, self.cache_dtype)
 
     def _ensure(self, n: int) -> None:
         """Capacity for n positions, on the model's current device, in `cache_dtype` (kept contents)."""
         dev, dt = self.device, self.cache_dtype
         if self._k is not None and self._k.shape[3] >= n and self._k.dtype == dt and self._k.device == dev:
             return
+        self.attention_nodes  # measured before the first step with this cache
         cap = min(max(n, 1) + self.capacity_step, max(self.max_context, n))
         shape = (self.num_layers, 1, self.n_kv, cap, self.head_dim)
         # zeros, not empty: a compiled step attends over whole blocks of slots with the unused ones masked,
@@ -832,13 +856,12 @@ class FastTarget(Target):
                 return out
         self._ensure(P + N)
         dev = self.device
-        # a half type on a CPU: the K/V cache is kept in fp32 (the bf16-rounded values, so the same
-        # numbers) and attention runs in fp32 -- SDPA's CPU kernel is faster there than in bf16, and no
-        # cast of the cache per call (docs/speed.md)
+        # a half type on a CPU: attention runs in fp32 -- SDPA's CPU kernel is faster there than in bf16; the
+        # K/V cache is bf16 where our kernel reads it (`cache_dtype`), else fp32 (docs/speed.md)
         attn_mask = None
         if mask is not None:  # additive, built once per forward: a bool mask is converted by SDPA in every
             # layer (2 ops each, a tenth of a tree attention's time)
-            attn_mask = torch.zeros(mask.shape, dtype=self.cache_dtype, device=dev).masked_fill_(
+            attn_mask = torch.zeros(mask.shape, dtype=self.attention_dtype, device=dev).masked_fill_(
                 ~mask.to(dev), float("-inf"))[None, None]
         slots = torch.arange(P, P + N, device=dev)
         logits, aux = decoder_step(self.model, *self.projections(prefill=P == 0), self._geometry(), ids.to(dev),
@@ -847,7 +870,8 @@ class FastTarget(Target):
         return TargetOutput(logits, aux if want_aux else None)
 
     def _geometry(self) -> tuple:
-        return (self.n_heads, self.n_kv, self.head_dim, self.scaling, self.qk_norm, self.aux_layers)
+        return (self.n_heads, self.n_kv, self.head_dim, self.scaling, self.qk_norm, self.aux_layers,
+                self.attention_dtype)
 
     def _layer_caches(self) -> tuple[list, list]:
         """Per-layer views (1, kv_heads, capacity, head_dim) of the K and V caches."""
@@ -877,7 +901,7 @@ class FastTarget(Target):
         allowed[:N, :P] = True
         allowed[:N, P:P + N] = mask[:, P:] if mask is not None else True  # mask None: N == 1
         allowed[N:, P + N:P + nb] = torch.eye(nb - N, dtype=torch.bool)
-        attn_mask = torch.zeros(nb, nk, dtype=self.cache_dtype).masked_fill_(~allowed, float("-inf"))
+        attn_mask = torch.zeros(nb, nk, dtype=self.attention_dtype).masked_fill_(~allowed, float("-inf"))
         slots = torch.arange(P, P + nb)
         pad_ids = torch.cat([ids.cpu(), ids.new_zeros(nb - N).cpu()])
         pad_pos = torch.cat([positions.cpu(), slots[N:]])

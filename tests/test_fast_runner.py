@@ -26,6 +26,7 @@ def test_auto_picks_the_fast_runner_for_the_llama_family_only():
 
 
 def test_cache_growth_and_dtype_change_keep_results():
+    from dart_lab import attention
     model = tiny_model("llama")
     fast, ref = make_target(model, runner="fast"), make_target(model, runner="hf")
     fast.capacity_step = 4  # force several reallocations
@@ -37,15 +38,21 @@ def test_cache_growth_and_dtype_change_keep_results():
     torch.testing.assert_close(out.logits[0], ref.prefill(prompt).logits[-1], atol=1e-4, rtol=1e-4)
     model.to(torch.bfloat16)  # the runner follows the model's dtype (cache reallocated)
     out = fast.prefill(prompt)
-    assert fast.kv_cache[0].dtype == fast.cache_dtype == torch.float32  # CPU: fp32 cache for a bf16 model
+    # CPU, a bf16 model: attention in fp32 over a bf16 cache where our attention kernel reads one, else fp32
+    assert fast.attention_dtype == torch.float32
+    assert fast.kv_cache[0].dtype == fast.cache_dtype == (torch.bfloat16 if attention.available() else torch.float32)
     with torch.no_grad():
         want = model(prompt[None]).logits[0].float()
     torch.testing.assert_close(out.logits, want, atol=0.1, rtol=0.05)
-    # a half type on a CPU: the cache and attention are fp32 (fast_llama: fp32_attention)
-    step = fast.verify(Tree.single(7)).logits[0]
+    step = fast.verify(Tree(torch.tensor([7, 8, 9]), torch.tensor([-1, 0, 0]))).logits
     with torch.no_grad():
         want = model(torch.cat([prompt, torch.tensor([7])])[None]).logits[0, -1].float()
-    torch.testing.assert_close(step, want, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(step[0], want, atol=0.1, rtol=0.05)
+    # a bf16 model's K/V are bf16 values: the bf16 cache gives exactly the fp32 cache's logits
+    fast.bf16_cache = False
+    fast.prefill(prompt)
+    assert fast.kv_cache[0].dtype == torch.float32
+    assert torch.equal(fast.verify(Tree(torch.tensor([7, 8, 9]), torch.tensor([-1, 0, 0]))).logits, step)
 
 
 def test_truncate_drops_speculative_entries():
@@ -264,6 +271,8 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
     dense, four, measured = (make_target(model, runner="fast") for _ in range(3))
     four.weights, four.int4_paths = "int4", "4bit"
     measured.weights = "int4"
+    for t in (four, measured):  # the paths alone: the K/V cache as the dense runner's (a bf16 one rounds it)
+        t.bf16_cache = False
     layers, head = measured._int4()
     assert all(p.table == ((1, "int4"), (8, "fp32")) for row in layers for p in row)
     assert head.table == ((1, "fp16"), (8, "fp32")) and head.path(5) == "fp16" and head.path(64) == "fp32"
@@ -295,7 +304,7 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
     # the tables are cached per machine: another build reads them, whatever its clock would say
     cost["int4"] = lambda r: 0.0
     again = make_target(model, runner="fast")
-    again.weights = "int4"
+    again.weights, again.bf16_cache = "int4", False
     assert again._int4()[0][0][0].table == ((1, "int4"), (8, "fp32"))
     assert again.dtype_report["int4"]["by_rows"]["cached"] and not measured.dtype_report["int4"]["by_rows"]["cached"]
 
@@ -387,6 +396,8 @@ def test_int4_without_our_kernel_runs_on_torchs(monkeypatch, tmp_path):
     four, measured = make_target(model, runner="fast"), make_target(model, runner="fast")
     four.weights, four.int4_paths = "int4", "4bit"
     measured.weights = "int4"
+    for t in (four, measured):  # the paths alone: the K/V cache as the dense runner's (a bf16 one rounds it)
+        t.bf16_cache = False
     layers, head = measured._int4()
     assert not q4.available() and all(p.table == ((1, "int4"), (8, "fp32")) for row in layers for p in row)
     assert "q4 halves" not in head.paths and head.path(1) == "fp16"
@@ -459,7 +470,7 @@ def test_compiled_int4_steps_equal_eager_int4():
 def test_attention_kernel_is_sdpa_to_fp32_rounding():
     """Our decoding attention (`dart_lab::decode_attn`, csrc/attention.cpp) against torch's SDPA: grouped
     query heads, 1-8 nodes a row, a mask per row, one for every row or none, keys read from a longer cache
-    (strided), every head size the kernel has; masked keys weigh exactly 0 (a key masked out cannot move
+    (strided), every head size the kernel has, fp32 or bf16 caches; masked keys weigh exactly 0 (a key masked out cannot move
     the output, however large its value)."""
     from dart_lab import attention
     if not attention.available():
@@ -476,6 +487,11 @@ def test_attention_kernel_is_sdpa_to_fp32_rounding():
         for m in (mask, mask[:1], None):
             got = torch.ops.dart_lab.decode_attn(q, K[:, :, :nk], V[:, :, :nk], m, D ** -0.5)
             torch.testing.assert_close(got, attention._sdpa(q, K, V, m, nk, D ** -0.5), atol=2e-6, rtol=1e-5)
+            # a bf16 cache is read as its values widened to fp32: exactly the fp32 kernel on those values
+            Kb, Vb = K.bfloat16(), V.bfloat16()
+            assert torch.equal(torch.ops.dart_lab.decode_attn(q, Kb[:, :, :nk], Vb[:, :, :nk], m, D ** -0.5),
+                               torch.ops.dart_lab.decode_attn(q, Kb[:, :, :nk].float(), Vb[:, :, :nk].float(), m,
+                                                              D ** -0.5))
         V2 = V.clone()
         V2[:, :, :nk][~allowed[:, 0, 0, None, :, None].expand(B, Hk, nk, D)] = 1e30  # row 0's masked keys
         one = lambda V: torch.ops.dart_lab.decode_attn(q[:, :, :1], K[:, :, :nk], V[:, :, :nk], mask[:, :, :1], 0.1)  # noqa: E731
@@ -510,7 +526,7 @@ def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
     if nodes and not attention.available():
         pytest.skip(f"our attention kernel is not built here: {attention.reason()}")
     ref, fast = tiny_target("qwen3", runner="hf"), tiny_target("qwen3", runner="fast")
-    monkeypatch.setitem(attention._state, (fast.n_heads, fast.n_kv, fast.head_dim), nodes)  # restored after
+    monkeypatch.setitem(attention._state, (fast.n_heads, fast.n_kv, fast.head_dim, fast.cache_dtype), nodes)  # restored after
     sdpa = attention._sdpa
     def only_prompts(q, K, V, mask, n_keys, scale, causal=False):
         assert causal or q.shape[2] > nodes, "a decoding step of the kernel's size went through SDPA"

@@ -7,7 +7,8 @@
 // attention without repeating K/V): scores, an exact softmax (max subtracted, fp32), then the weighted sum
 // of V. Masked keys (-inf) weigh exactly 0; a key that every query position of its row masks is not read.
 //
-// Shapes: q (B, H, N, D) fp32; k, v (B, Hk, n_keys, D) fp32 with D contiguous (views of a longer cache are
+// Shapes: q (B, H, N, D) fp32; k, v (B, Hk, n_keys, D) both fp32 or both bf16 (widened to fp32 exactly in
+// registers: a bf16 cache is half the bytes a step streams) with D contiguous (views of a longer cache are
 // fine); mask (B or 1, 1, N, n_keys) additive fp32 or none (every key visible); H a multiple of Hk; D = 16,
 // 32, 64 or 128.
 #include <torch/library.h>
@@ -97,11 +98,24 @@ void live_spans(const Geometry& s, const float* M, std::vector<std::pair<int64_t
   if (open >= 0) spans.emplace_back(open, s.nk);
 }
 
+// K/V elements: fp32 as they are, or bf16 (an fp32's upper half) widened exactly
+struct F32 {
+  using T = float;
+  __attribute__((target("avx512f"))) static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+};
+struct BF16 {
+  using T = uint16_t;
+  __attribute__((target("avx512f"))) static inline __m512 load(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
+};
+
 // One (batch row b, key head g): rows [r_begin, r_end) of the G query heads sharing it x N positions (R = G N
 // rows, contiguous in q and out; row r is position r % N) over the live keys `spans`. C = D / 16 vectors a head.
-template <int C>
+template <int C, class E>
 __attribute__((target("avx512f")))
-void head_group(const Geometry& s, const float* q, const float* k, const float* v, const float* mask, float* out,
+void head_group(const Geometry& s, const float* q, const typename E::T* k, const typename E::T* v, const float* mask,
+                float* out,
                 int64_t b, int64_t g, int64_t r_begin, int64_t r_end, std::vector<float>& sc,
                 const std::vector<std::pair<int64_t, int64_t>>& spans) {
   constexpr int D = 16 * C;
@@ -110,8 +124,9 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
   const int64_t R = r_end - r_begin;
   const float* Q = q + (b * s.H + g * s.G) * s.N * D;
   float* O = out + (b * s.H + g * s.G) * s.N * D;
-  const float* K = k + b * s.kb + g * s.kh;
-  const float* V = v + b * s.vb + g * s.vh;
+  const typename E::T* K = k + b * s.kb + g * s.kh;
+  const typename E::T* V = v + b * s.vb + g * s.vh;
+  constexpr int kLine = 64 / sizeof(typename E::T);  // elements a cache line: one prefetch each
   const float* M = mask ? mask + b * s.mb : nullptr;
   sc.resize(R * nk);  // row r's scores at (r - r_begin) * nk
   std::vector<float> mx(R, -INFINITY), sum(R);
@@ -128,11 +143,11 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
     for (const auto& sp : spans) {
       for (int64_t j = sp.first; j < sp.second; ++j, ++at) {
         __m512 a[kRowsPerPass];
-        const float* kj = K + j * s.kr;
+        const typename E::T* kj = K + j * s.kr;
         for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_setzero_ps();
         for (int c = 0; c < C; ++c) {
-          _mm_prefetch((const char*)(kj + kAhead * s.kr + 16 * c), _MM_HINT_T0);
-          const __m512 kc = _mm512_loadu_ps(kj + 16 * c);
+          if (16 * c % kLine == 0) _mm_prefetch((const char*)(kj + kAhead * s.kr + 16 * c), _MM_HINT_T0);
+          const __m512 kc = E::load(kj + 16 * c);
           for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_fmadd_ps(qv[i][c], kc, a[i]);
         }
         float x[4];
@@ -177,8 +192,8 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
       for (int64_t j = sp.first; j < sp.second; ++j, ++at) {
         __m512 vj[C];
         for (int c = 0; c < C; ++c) {
-          _mm_prefetch((const char*)(V + (j + kAhead) * s.vr + 16 * c), _MM_HINT_T0);
-          vj[c] = _mm512_loadu_ps(V + j * s.vr + 16 * c);
+          if (16 * c % kLine == 0) _mm_prefetch((const char*)(V + (j + kAhead) * s.vr + 16 * c), _MM_HINT_T0);
+          vj[c] = E::load(V + j * s.vr + 16 * c);
         }
         for (int i = 0; i < rn; ++i) {
           const __m512 p = _mm512_set1_ps(sc[(r0 - r_begin + i) * nk + at]);
@@ -193,11 +208,24 @@ void head_group(const Geometry& s, const float* q, const float* k, const float* 
   }
 }
 
+template <class E>
+void by_head_dim(int64_t D, const Geometry& s, const float* q, const typename E::T* k, const typename E::T* v,
+                 const float* mask, float* out, int64_t b, int64_t g, int64_t r0, int64_t r1, std::vector<float>& sc,
+                 const std::vector<std::pair<int64_t, int64_t>>& spans) {
+  switch (D) {
+    case 16: head_group<1, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans); break;
+    case 32: head_group<2, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans); break;
+    case 64: head_group<4, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans); break;
+    default: head_group<8, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans);
+  }
+}
+
 at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attn: q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "decode_attn: q, k, v must be float32");
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (bf16 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type(),
+              "decode_attn: q must be float32, k and v both float32 or both bfloat16");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attn: CPU tensors only");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Hk = k.size(1);
   TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128, "decode_attn: head_dim must be 16, 32, 64 or 128");
@@ -221,8 +249,6 @@ at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tenso
              k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
              masked && m.size(0) == B ? m.stride(0) : 0, masked ? m.stride(2) : 0};
   const float* qp = qs.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   const float* mp = masked ? m.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   // one task a (row, key head, block of its query rows). One block a (row, key head) reads its K and V once
@@ -245,12 +271,11 @@ at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         live_spans(s, mp ? mp + b * s.mb : nullptr, spans);
         spans_of = b;
       }
-      switch (D) {
-        case 16: head_group<1>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc, spans); break;
-        case 32: head_group<2>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc, spans); break;
-        case 64: head_group<4>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc, spans); break;
-        default: head_group<8>(s, qp, kp, vp, mp, op, b, g, r0, r1, sc, spans);
-      }
+      if (bf16)
+        by_head_dim<BF16>(D, s, qp, (const uint16_t*)k.data_ptr<at::BFloat16>(),
+                          (const uint16_t*)v.data_ptr<at::BFloat16>(), mp, op, b, g, r0, r1, sc, spans);
+      else
+        by_head_dim<F32>(D, s, qp, k.data_ptr<float>(), v.data_ptr<float>(), mp, op, b, g, r0, r1, sc, spans);
     }
   });
   return out;
