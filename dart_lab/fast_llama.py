@@ -468,24 +468,33 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         ids, positions = ids[None], positions[None]
     B, N = ids.shape
     x = inner.embed_tokens(ids)  # (B, N, H)
-    cos, sin = inner.rotary_emb(x, positions)
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, N, hd)
+    rows_cos, rows_sin = inner.rotary_emb(x, positions)  # (B, N, hd)
+    cos, sin = rows_cos[:, None], rows_sin[:, None]  # (B, 1, N, hd)
+    # an eager fp32 step on a CPU with our kernel: rotation and cache write as one op (csrc/rope.cpp), the
+    # same arithmetic as the torch ops below; a prompt attends over its own K/V (below), a compiled graph
+    # fuses the torch ops itself
+    fused = (not qk_norm and not causal and x.dtype == torch.float32 and x.device.type == "cpu"
+             and rows_cos.dtype == torch.float32 and rows_cos.is_contiguous() and rows_sin.is_contiguous()
+             and not torch.compiler.is_compiling() and kernels.rope_cache_here())
     taps = {}
     for i, layer in enumerate(inner.layers):
         if i in aux_layers:
             taps[i] = x
         att, (qkv, o_proj, gate_up, down) = layer.self_attn, projs[i]
         heads = qkv(_rms_norm(layer.input_layernorm, x)).view(B, N, nh + 2 * nkv, hd)
-        v = heads[:, :, nh + nkv:]
-        if qk_norm:
-            q, k = _rms_norm(att.q_norm, heads[:, :, :nh]), _rms_norm(att.k_norm, heads[:, :, nh:nh + nkv])
-            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
-        else:  # q and k side by side in the projection's output: rotated in one pass
-            qk = _rotate(heads[:, :, :nh + nkv].transpose(1, 2), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
         K, V = caches[0][i], caches[1][i]
-        K.index_copy_(2, slots, k.to(K.dtype))
-        V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
+        if fused and heads.is_contiguous():
+            q = torch.ops.dart_lab.rope_cache(heads, rows_cos, rows_sin, K, V, slots, nh, nkv)
+        else:
+            v = heads[:, :, nh + nkv:]
+            if qk_norm:
+                q, k = _rms_norm(att.q_norm, heads[:, :, :nh]), _rms_norm(att.k_norm, heads[:, :, nh:nh + nkv])
+                q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            else:  # q and k side by side in the projection's output: rotated in one pass
+                qk = _rotate(heads[:, :, :nh + nkv].transpose(1, 2), cos, sin)
+                q, k = qk[:, :nh], qk[:, nh:]
+            K.index_copy_(2, slots, k.to(K.dtype))
+            V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
         if causal:  # a prompt into an empty cache: its own K/V are every key, taken before the cache's rounding
             o = attend(q.to(attention_dtype), k.to(attention_dtype), v.transpose(1, 2).to(attention_dtype), None,
                        n_keys, scaling, causal)
@@ -659,8 +668,9 @@ class FastTarget(Target):
     # writes by index_copy_; 4: fused norms and one-pass rotation for fp32 activations; 5: steps of a few
     # nodes a row on our attention kernel where it measures faster, attention.py; 6: eager fp32 norms on our
     # one-pass op, csrc/norm.cpp; 7: the attention kernel prefetches K and V; 8: it cuts a tree's query rows
-    # into blocks over the threads; 9: it skips the keys every position of a row masks; 10: bf16 K/V caches)
-    runner_revision = 10
+    # into blocks over the threads; 9: it skips the keys every position of a row masks; 10: bf16 K/V caches; 11:
+    # rotation and cache write in one op, csrc/rope.cpp)
+    runner_revision = 11
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,

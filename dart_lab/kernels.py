@@ -2,7 +2,8 @@
 extension loader the first time a process asks for it (a C++ compiler needed, as for `torch.compile` on a
 CPU; ~10-25 s, then cached by torch, one build per torch version), and only on a CPU that has the
 instruction sets it is written for. Users: `q4.py` (a 4-bit weight-only matmul), `attention.py` (a
-decoding step's attention), `fast_llama._rms_norm` (`rms_norm_here`: an eager step's norms)."""
+decoding step's attention), `fast_llama._rms_norm` (`rms_norm_here`: an eager step's norms),
+`fast_llama.decoder_step` (`rope_cache_here`: an eager step's rotation and K/V cache write)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -66,3 +67,15 @@ def rms_norm_here() -> bool:
     if "reason" not in _norm:
         reason(_norm, "norm", {"avx512f"}, lambda: None)
     return _norm["reason"] is None
+
+
+_rope: dict = {}
+
+
+def rope_cache_here() -> bool:
+    """Whether `dart_lab::rope_cache` (csrc/rope.cpp: a step's rotary embedding and K/V cache write in one op,
+    fp32, AVX-512) is built here. Eager steps only: a compiled graph keeps the torch ops, which inductor fuses.
+    Asked once a step, so after the first call it is one dict lookup."""
+    if "reason" not in _rope:
+        reason(_rope, "rope", {"avx512f"}, lambda: None)
+    return _rope["reason"] is None

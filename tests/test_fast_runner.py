@@ -515,6 +515,28 @@ def test_attention_kernel_is_sdpa_to_fp32_rounding():
         assert torch.equal(got[b:b + 1], alone)
 
 
+def test_rope_cache_op_is_the_torch_ops_it_replaces():
+    """`dart_lab::rope_cache` (csrc/rope.cpp): q rotated, k rotated and v written to their cache slots, fp32 or
+    bf16 caches, bit for bit what the eager step's torch ops compute (rotation, casts, index_copy_)."""
+    from dart_lab import kernels
+    from dart_lab.fast_llama import _rotate
+    if not kernels.rope_cache_here():
+        pytest.skip(f"our rope kernel is not built here: {kernels._rope['reason']}")
+    g = torch.Generator().manual_seed(0)
+    for B, N, H, Hk, D, dt in ((1, 1, 9, 3, 64, torch.float32), (3, 4, 9, 3, 64, torch.bfloat16),
+                               (2, 3, 4, 2, 40, torch.float32), (2, 2, 4, 1, 40, torch.bfloat16)):
+        heads = torch.randn(B, N, H + 2 * Hk, D, generator=g)
+        cos, sin = torch.randn(B, N, D, generator=g), torch.randn(B, N, D, generator=g)
+        K, V = torch.randn(B, Hk, 12, D, generator=g).to(dt), torch.randn(B, Hk, 12, D, generator=g).to(dt)
+        slots = torch.tensor([7, 2, 9, 5][:N])
+        qk = _rotate(heads[:, :, :H + Hk].transpose(1, 2), cos[:, None], sin[:, None])
+        K2, V2 = K.clone(), V.clone()
+        K2.index_copy_(2, slots, qk[:, H:].to(dt))
+        V2.index_copy_(2, slots, heads[:, :, H + Hk:].transpose(1, 2).to(dt))
+        q = torch.ops.dart_lab.rope_cache(heads, cos, sin, K, V, slots, H, Hk)
+        assert torch.equal(q, qk[:, :H]) and torch.equal(K, K2) and torch.equal(V, V2)
+
+
 @pytest.mark.parametrize("nodes", [0, 16])  # SDPA for every step; our kernel up to 16 nodes a row
 def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
     """Whichever attention `attention.prepare` picks, the lean runner's tree verifies (one row and a batch)

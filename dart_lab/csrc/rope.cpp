@@ -1,0 +1,114 @@
+// dart_lab::rope_cache -- a decoding step's rotary embedding and K/V cache write in one op, fp32 on CPUs with
+// AVX-512 (built on first use: dart_lab/kernels.py). Why: between the q|k|v projection and attention an eager
+// step spends ~15 small ops a layer (slices, the rotation's mul / neg / cat / mul / add, two casts, two
+// index_copy_) on a few hundred numbers a row; their dispatch, not their arithmetic, is the cost.
+//
+// heads (B, N, H + 2 Hk, D) fp32 contiguous: q, k, v side by side as the fused projection writes them;
+// cos, sin (B, N, D) fp32 contiguous; K, V (B, Hk, capacity, D), fp32 or bf16, D contiguous (a layer's view of
+// the cache); slots (N,) int64: the cache slot of each position (the same for every row).
+// Writes K[b, g, slots[n]] = rotate(k[b, n, g]) and V[b, g, slots[n]] = v[b, n, g] (bf16: rounded to nearest
+// even, as a cast does) and returns q rotated, (B, H, N, D) contiguous.
+// rotate(x) = x cos + [-x2, x1] sin (x1, x2 the halves of x), each product and the sum rounded separately --
+// the arithmetic of the torch ops it replaces, bit for bit (no fused multiply-add: fp-contract off).
+#pragma GCC optimize("fp-contract=off")
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// out[0:D] = x cos + [-x2, x1] sin
+__attribute__((target("avx512f")))
+inline void rotate(const float* x, const float* c, const float* s, float* out, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = (__mmask16)(h - i >= 16 ? 0xffff : (1u << (h - i)) - 1);
+    const __m512 x1 = _mm512_maskz_loadu_ps(m, x + i), x2 = _mm512_maskz_loadu_ps(m, x + h + i);
+    const __m512 neg_x2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32(INT32_MIN)));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_add_ps(_mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, c + i)),
+                                                    _mm512_mul_ps(neg_x2, _mm512_maskz_loadu_ps(m, s + i))));
+    _mm512_mask_storeu_ps(out + h + i, m, _mm512_add_ps(_mm512_mul_ps(x2, _mm512_maskz_loadu_ps(m, c + h + i)),
+                                                        _mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, s + h + i))));
+  }
+}
+
+// fp32 -> bf16, round to nearest even (finite values: a step's K and V)
+__attribute__((target("avx512f")))
+inline void store_bf16(const float* x, uint16_t* out, int64_t D) {
+  for (int64_t i = 0; i < D; i += 16) {
+    const __mmask16 m = (__mmask16)(D - i >= 16 ? 0xffff : (1u << (D - i)) - 1);
+    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + i));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __m256i r16 = _mm512_cvtepi32_epi16(r);
+    if (m == 0xffff) {
+      _mm256_storeu_si256((__m256i*)(out + i), r16);
+    } else {
+      alignas(32) uint16_t t[16];
+      _mm256_store_si256((__m256i*)t, r16);
+      std::copy(t, t + (D - i), out + i);
+    }
+  }
+}
+
+__attribute__((target("avx512f")))
+at::Tensor rope_cache(const at::Tensor& heads, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K,
+                      at::Tensor V, const at::Tensor& slots, int64_t H, int64_t Hk) {
+  TORCH_CHECK(heads.dim() == 4 && heads.scalar_type() == at::kFloat && heads.is_contiguous() && heads.device().is_cpu(),
+              "rope_cache: heads must be a contiguous (B, N, H + 2 Hk, D) float32 CPU tensor");
+  const int64_t B = heads.size(0), N = heads.size(1), D = heads.size(3);
+  TORCH_CHECK(heads.size(2) == H + 2 * Hk && D % 2 == 0, "rope_cache: heads must hold H + 2 Hk heads of even size");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == B &&
+              cos.size(1) == N && cos.size(2) == D, "rope_cache: cos and sin must be contiguous (B, N, D) float32");
+  const bool bf16 = K.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || K.scalar_type() == at::kFloat) && V.scalar_type() == K.scalar_type() && K.dim() == 4 &&
+              V.sizes() == K.sizes() && K.size(0) == B && K.size(1) == Hk && K.size(3) == D && K.stride(3) == 1 &&
+              V.stride(3) == 1, "rope_cache: K and V must be (B, Hk, capacity, D), both float32 or both bfloat16");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == N, "rope_cache: slots (N,) int64");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(sp[n] >= 0 && sp[n] < K.size(2), "rope_cache: a slot is outside the cache");
+  auto q = at::empty({B, H, N, D}, heads.options());
+  const float* hp = heads.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  std::vector<float> tmp(D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* row = hp + (b * N + n) * (H + 2 * Hk) * D;
+      const float* c = cp + (b * N + n) * D;
+      const float* s = snp + (b * N + n) * D;
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, qp + ((b * H + h) * N + n) * D, D);
+      for (int64_t g = 0; g < Hk; ++g) {
+        const int64_t ko = b * K.stride(0) + g * K.stride(1) + sp[n] * K.stride(2);
+        const int64_t vo = b * V.stride(0) + g * V.stride(1) + sp[n] * V.stride(2);
+        const float* v = row + (H + Hk + g) * D;
+        if (bf16) {
+          rotate(row + (H + g) * D, c, s, tmp.data(), D);
+          store_bf16(tmp.data(), (uint16_t*)K.data_ptr<at::BFloat16>() + ko, D);
+          store_bf16(v, (uint16_t*)V.data_ptr<at::BFloat16>() + vo, D);
+        } else {
+          rotate(row + (H + g) * D, c, s, K.data_ptr<float>() + ko, D);
+          std::copy(v, v + D, V.data_ptr<float>() + vo);
+        }
+      }
+    }
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
+  m.def("rope_cache(Tensor heads, Tensor cos, Tensor sin, Tensor(a!) K, Tensor(b!) V, Tensor slots, int H, int Hk) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
+  m.impl("rope_cache", &rope_cache);
+}
