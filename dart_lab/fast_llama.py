@@ -476,6 +476,8 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     fused = (not qk_norm and not causal and x.dtype == torch.float32 and x.device.type == "cpu"
              and rows_cos.dtype == torch.float32 and rows_cos.is_contiguous() and rows_sin.is_contiguous()
              and not torch.compiler.is_compiling() and kernels.rope_cache_here())
+    fused_mlp = (x.device.type == "cpu" and getattr(model.config, "hidden_act", None) in ("silu", "swish")
+                 and not torch.compiler.is_compiling() and kernels.rms_norm_here())
     taps = {}
     for i, layer in enumerate(inner.layers):
         if i in aux_layers:
@@ -502,8 +504,12 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
             o = attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal)
         o = o.to(x.dtype)
         x = x + o_proj(o.transpose(1, 2).reshape(B, N, nh * hd))
-        gate, up = gate_up(_rms_norm(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
-        x = x + down(layer.mlp.act_fn(gate) * up)
+        gu = gate_up(_rms_norm(layer.post_attention_layernorm, x))
+        if fused_mlp:  # one dispatch for torch's silu and mul (csrc/norm.cpp)
+            x = x + down(torch.ops.dart_lab.silu_mul.default(gu))
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + down(layer.mlp.act_fn(gate) * up)
     aux = torch.cat([taps[i] for i in aux_layers], dim=-1)
     if not batched:
         return head(_rms_norm(inner.norm, x[0] if rows is None else x[0, rows])).float(), aux[0]
@@ -669,8 +675,8 @@ class FastTarget(Target):
     # nodes a row on our attention kernel where it measures faster, attention.py; 6: eager fp32 norms on our
     # one-pass op, csrc/norm.cpp; 7: the attention kernel prefetches K and V; 8: it cuts a tree's query rows
     # into blocks over the threads; 9: it skips the keys every position of a row masks; 10: bf16 K/V caches; 11:
-    # rotation and cache write in one op, csrc/rope.cpp)
-    runner_revision = 11
+    # rotation and cache write in one op, csrc/rope.cpp; 12: the MLP's silu * up in one dispatch)
+    runner_revision = 12
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,

@@ -577,7 +577,8 @@ def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
 
 def test_rms_norm_op_is_torchs_to_fp32_rounding():
     """Our one-pass norm (`dart_lab::rms_norm`, csrc/norm.cpp; an eager step's norms where it builds) against
-    F.rms_norm: any width (a partial last vector too), any leading shape; contiguous fp32 only."""
+    F.rms_norm: any width (a partial last vector too), any leading shape; contiguous fp32 only. And the MLP's
+    silu(gate) * up in one dispatch (`silu_mul`), exactly torch's."""
     import torch.nn.functional as F
     from dart_lab import kernels
     if not kernels.rms_norm_here():
@@ -589,3 +590,7 @@ def test_rms_norm_op_is_torchs_to_fp32_rounding():
                                    atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.dart_lab.rms_norm(torch.randn(8, 6).T, torch.randn(8), 1e-5)
+    # the MLP's silu(gate) * up from the fused projection's output (`silu_mul`): torch's own ops, bit for bit
+    gu = torch.randn(2, 3, 2 * 48, generator=g) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.equal(torch.ops.dart_lab.silu_mul(gu), F.silu(gate) * up)

@@ -1,7 +1,9 @@
 // dart_lab::rms_norm -- y = w * x / sqrt(mean(x^2) + eps) over the last dimension, fp32, on CPUs with AVX-512
 // (built on first use: dart_lab/kernels.py). The arithmetic of torch's F.rms_norm in one pass a row; why: an eager
 // decoding step normalises 2 x layers + 1 times a few rows, where F.rms_norm's several internal ops cost ~5x
-// the arithmetic (docs/speed.md).
+// the arithmetic (docs/speed.md). dart_lab::silu_mul -- the MLP's silu(gate) * up from the fused gate|up
+// projection's output, torch's own silu and mul called from here: the same numbers, one dispatch from Python
+// instead of three (chunk, silu, mul) a layer.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -44,12 +46,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+// gate_up (..., 2 I) -> silu(gate_up[..., :I]) * gate_up[..., I:]
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: the last dimension must be 2 I");
+  const int64_t I = gate_up.size(-1) / 2;
+  return at::silu(gate_up.narrow(-1, 0, I)).mul_(gate_up.narrow(-1, I, I));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
 }
