@@ -174,6 +174,8 @@ def _batch_row(res, group: str, method: str, ar, batch_size: int) -> dict:
            "stop_reason": ",".join(sorted({r.stop_reason for r in res.rows})),
            "theta": by_rows[str(res.batch_size)]["theta"] if str(res.batch_size) in by_rows else None,
            "theta_by_live_rows": {k: v["theta"] for k, v in by_rows.items()},
+           # what the budget predicted for each live-row count it chose at (beside the measured speedup)
+           "expected_speedup_by_live_rows": {k: round(v["expected_speedup_vs_ar"], 4) for k, v in by_rows.items()},
            "drafted_nodes": mean("tree_size") - 1 if steps and "tree_size" in steps[0] else 0.0,
            "copy_only_steps": sum(1 for s in steps if s.get("copy_only"))}
     row["tau"] = row["emitted"] / len(steps) if steps else None
