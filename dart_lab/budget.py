@@ -79,6 +79,10 @@ class BudgetConfig:
     # the best tree anyway (when the drafter learns theta in that mode): a fallback drafts no tree, so without a
     # probe no evidence could bring theta back (seen at T=1: dart-ctx on Alpaca fell back after two prompts and
     # stayed, tau 1.08, where dart at theta 4-5 kept 1.01x AR)
+    batch_resume_gain: float = 1.1  # a batch whose widest step fell back to AR turns trees on as rows finish only
+    # where one is expected to gain this much: the head first catches up on every position since the prompt (not
+    # priced), and trees at the last 1-2 rows sit near break-even (measured at 4 rows: 0.976x AR turning them on,
+    # 1.007x keeping AR; docs/LOG.md)
 
 
 def calibration_key(cfg: BudgetConfig) -> dict:
@@ -710,7 +714,8 @@ class BudgetController:
         grows; where batched steps of a shape were decoded on this target, what they took: `observed_curve`)
         plus every row's drafting + search, each row's tokens counted:
             expected speed(theta) = rows * tau(theta) / (t(rows, theta + 1) + rows * t_draft(theta)).
-        Re-chosen whenever rows finish; theta 0 = batched AR steps. `policy.chosen`: rows -> the choice."""
+        Re-chosen whenever rows finish; theta 0 = batched AR steps, kept as rows finish unless a tree is expected to
+        gain `batch_resume_gain` once the batch's widest step fell back. `policy.chosen`: rows -> the choice."""
         if sampled and self.budget_sampled is None:
             self.choose(sampled=True)
         tau = (self.budget_sampled if sampled else self.budget)["tau_by_theta"]
@@ -740,6 +745,10 @@ class BudgetController:
                 else:  # one head forward for the batch, the search (and the rest) per row
                     over = lambda th: head[rows] + rows * max(self.overhead_ms(th) - head[1], 0.0)  # noqa: E731
                 chosen = choose_budget(tau, curve, over)
+                widest = policy.chosen[max(policy.chosen)] if policy.chosen else None
+                if (chosen["theta"] and widest is not None and widest["theta"] == 0
+                        and chosen["expected_speedup_vs_ar"] < self.cfg.batch_resume_gain):
+                    chosen = {**chosen, "theta": 0, "expected_speedup_vs_ar": 1.0, "fallback_to_ar": True}
                 if chosen["theta"]:
                     for d in drafters:
                         d.set_cost_model(curve, self.overhead_ms(chosen["theta"]), tau)

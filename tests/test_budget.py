@@ -572,3 +572,28 @@ def test_a_change_to_the_4bit_path_invalidates_only_4bit_cost_curves(monkeypatch
     assert "int4_revision" not in before[0] and before[1]["int4_revision"] == FastTarget.int4_revision
     monkeypatch.setattr(FastTarget, "int4_revision", FastTarget.int4_revision + 1)
     assert fingerprint(dense) == before[0] and fingerprint(packed) != before[1]
+
+
+def test_a_batch_that_fell_back_turns_trees_on_only_where_they_clearly_pay(monkeypatch):
+    """`batch_policy`: once a batch's widest step fell back to AR steps, a narrower step (rows finished) takes a
+    tree only where one is expected to gain `batch_resume_gain` (the head's catch-up is not priced); a batch that
+    starts narrow takes its best tree whatever the gain."""
+    from dart_lab import budget
+    target = tiny_target("llama")
+    r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
+    c = r.controller
+    flat = {n: 10.0 for n in (1, 2, 4, 8, 16, 32, 64)}  # one row: a tree costs what a token does
+    steep = {n: 10.0 * n for n in flat}  # several rows: every node costs a token (no tree pays)
+    monkeypatch.setattr(c, "batch_curve", lambda rows: flat if rows == 1 else steep)
+    monkeypatch.setattr(c, "head_batch_ms", lambda rows: None)
+    monkeypatch.setattr(c, "overhead_ms", lambda theta: 0.0)
+    monkeypatch.setattr(c, "_curve_at", lambda ctx: c.cost["verify_ms"])  # no growth with the context
+    monkeypatch.setattr(budget, "observed_curve", lambda target, rows, curve, min_steps, at: curve)  # no decoded steps
+    four, one = [[5] * 10] * 4, [[5] * 10]
+    assert 1.05 < c.cfg.batch_resume_gain < 1.5
+    for gain, resumes in ((1.05, False), (1.5, True)):
+        c.budget = {**c.budget, "tau_by_theta": [1.0] + [gain] * 7}
+        policy = c.batch_policy(four, False, 8, [r.drafter])
+        assert policy(4)[0] == 0  # the batch's widest step: AR
+        assert (policy(1)[0] > 0) == resumes
+        assert c.batch_policy(one, False, 8, [r.drafter])(1)[0] > 0  # a batch that starts at one row: its tree
