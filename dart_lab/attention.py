@@ -42,7 +42,9 @@ def available() -> bool:
 
 def _sdpa(q, K, V, mask, n_keys: int, scale: float, causal: bool = False) -> torch.Tensor:
     """torch's SDPA in q's dtype (a narrower cache's keys widened for the call)."""
-    K, V = K[:, :, :n_keys].to(q.dtype), V[:, :, :n_keys].to(q.dtype)
+    K, V = K[:, :, :n_keys], V[:, :, :n_keys]
+    if K.dtype != q.dtype:
+        K, V = K.to(q.dtype), V.to(q.dtype)
     return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=K.shape[1] != q.shape[1])
 

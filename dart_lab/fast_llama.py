@@ -795,17 +795,19 @@ class FastTarget(Target):
     @property
     def attention_dtype(self) -> torch.dtype:
         """The dtype attention computes in (queries, additive masks)."""
-        half = self.dtype in (torch.bfloat16, torch.float16)
-        return torch.float32 if (self.fp32_attention and half and self.device.type == "cpu") else self.dtype
+        dt = self.dtype
+        half = dt in (torch.bfloat16, torch.float16)
+        return torch.float32 if (self.fp32_attention and half and self.device.type == "cpu") else dt
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """The dtype the K/V cache is stored in (`bf16_cache`)."""
-        narrow = self.dtype == torch.bfloat16 or self.weights == "int4"
-        if (self.bf16_cache and narrow and self.attention_dtype == torch.float32 and self.device.type == "cpu"
+        """The dtype the K/V cache is stored in (`bf16_cache`). Asked at every forward: the model's dtype read once."""
+        dt, attention = self.dtype, self.attention_dtype
+        narrow = dt == torch.bfloat16 or self.weights == "int4"
+        if (self.bf16_cache and narrow and attention == torch.float32 and self.device.type == "cpu"
                 and attention_available()):
             return torch.bfloat16
-        return self.attention_dtype
+        return attention
 
     @property
     def attention_nodes(self) -> int:
