@@ -53,8 +53,8 @@ class BatchTarget:
     cache (L, B, kv_heads, capacity, head_dim); the public-forward runner its `DynamicCache` with a 4D
     additive mask. The single-sequence `Target` is left untouched (its own cache)."""
 
-    def __init__(self, target: Target, capacity_step: int = 256):
-        self.target, self.capacity_step = target, capacity_step
+    def __init__(self, target: Target, capacity_step: int = 256, pack_tokens: int = 2048):
+        self.target, self.capacity_step, self.pack_tokens = target, capacity_step, pack_tokens
         self.fast = getattr(target, "runner", "hf") == "fast"
         self.lens: list[int] = []
         self.end = 0
@@ -142,21 +142,28 @@ class BatchTarget:
         return BatchOutput(list(logits[:, None]), [aux[b, :n] for b, n in enumerate(self.lens)] if want_aux else None)
 
     def _prefill_rows(self, prompts: list[torch.Tensor], T: int, want_aux: bool) -> BatchOutput:
-        """Fast runner: each prompt through the decoder alone (causal), written into its row of the cache."""
+        """Fast runner: the prompts packed end to end through the decoder (`decoder_step`'s segments:
+        each causal over its own tokens, written into its row of the cache), at most `pack_tokens` a
+        forward; no compute is spent on padding, and the linears see every prompt's tokens at once."""
         from .fast_llama import decoder_step
 
         t, dev = self.target, self.target.device
         self.lens = [0] * len(prompts)
         self._ensure(T)
-        logits, aux = [], []
-        for b, p in enumerate(prompts):
-            n = p.numel()
-            caches = ([k[b:b + 1] for k in self._k.unbind(0)], [v[b:b + 1] for v in self._v.unbind(0)])
-            lg, ax = decoder_step(t.model, *t.projections(prefill=True), t._geometry(), p[None].to(dev),
-                                  torch.arange(n, device=dev)[None], torch.arange(n, device=dev), caches, n, None,
-                                  causal=n > 1, rows=torch.tensor([n - 1], device=dev))
-            logits.append(lg)
-            aux.append(ax[0])
+        logits, aux, first = [], [], 0
+        for group in _packs([p.numel() for p in prompts], self.pack_tokens):
+            ends = torch.tensor(group).cumsum(0)
+            segments = list(zip([0] + ends[:-1].tolist(), ends.tolist()))
+            ids = torch.cat(prompts[first:first + len(group)]).to(dev)
+            positions = torch.cat([torch.arange(n) for n in group]).to(dev)
+            caches = ([k[first:first + len(group)] for k in self._k.unbind(0)],
+                      [v[first:first + len(group)] for v in self._v.unbind(0)])
+            lg, ax = decoder_step(t.model, *t.projections(prefill=True), t._geometry(), ids, positions,
+                                  None, caches, int(ends[-1]), None, causal=True, rows=(ends - 1).to(dev),
+                                  segments=segments)
+            logits.extend(lg[:, None].unbind(0))
+            aux.extend(ax[s:e] for s, e in segments)
+            first += len(group)
         self.lens, self.end = [p.numel() for p in prompts], T
         return BatchOutput(logits, aux if want_aux else None)
 
@@ -378,6 +385,17 @@ def _batched_head_forward(proposers: list[Drafter], ids: list[list[int]]) -> tup
     for rows in groups.values():
         out.update(zip(rows, draft_logits_batch([proposers[i] for i in rows])))
     return out, (time.perf_counter() - t0) * 1e3 / len(want)
+
+
+def _packs(lengths: list[int], most: int) -> list[list[int]]:
+    """Consecutive prompt lengths grouped so a group's tokens stay within `most` (a longer prompt alone)."""
+    groups: list[list[int]] = []
+    for n in lengths:
+        if groups and sum(groups[-1]) + n <= most:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+    return groups
 
 
 @torch.no_grad()

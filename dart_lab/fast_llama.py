@@ -360,8 +360,13 @@ def _time_path(name: str, fn, x: torch.Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-                    rounds: int = 5) -> tuple[tuple, dict]:
+# row counts a linear's paths are timed at: a step's nodes (trees, batches); the layers' also a batch's packed
+# prompts (`batch.BatchTarget`), where a path that wins at 256 rows may not at a thousand
+STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROMPT_ROWS = STEP_ROWS + (1024,)
+
+
+def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=STEP_ROWS, rounds: int = 5) -> tuple[tuple, dict]:
     """paths: name -> the callables of that path, one per layer (or one). Time each path at each row count
     as one sweep through all its callables -- every layer's weights read from memory, as a step reads
     them (one linear timed alone stays in the cache, where 4 bits lose their edge) -- in interleaved
@@ -391,10 +396,26 @@ def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=(1, 
     return tuple(table), times
 
 
-def _bf16_linear(w: torch.Tensor, b: torch.Tensor | None):
-    """x -> x W^T + b through a oneDNN-packed bf16 copy of W (and b), returned in x's dtype."""
-    lin = PackedLinear(SimpleNamespace(weight=w.to(torch.bfloat16), bias=None if b is None else b.to(torch.bfloat16)))
-    return lambda x: lin(x.to(torch.bfloat16)).to(x.dtype)
+class BF16Linear:
+    """x -> x W^T + b through a oneDNN-packed bf16 copy of W (and b), returned in x's dtype; `raw` takes and
+    returns bf16 (a prompt's MLP on these copies keeps its intermediate in bf16, `decoder_step`)."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
+        self.raw = PackedLinear(SimpleNamespace(weight=w.to(torch.bfloat16),
+                                                bias=None if b is None else b.to(torch.bfloat16)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.raw(x.to(torch.bfloat16)).to(x.dtype)
+
+
+def _bf16_mlp(gate_up, down, x: torch.Tensor) -> tuple | None:
+    """(gate_up, down) as `BF16Linear`s where both take their bf16 copies for x's rows, else None."""
+    if isinstance(gate_up, ByRows) and isinstance(down, ByRows):
+        rows = x.numel() // x.shape[-1]
+        g, d = gate_up.paths[gate_up.path(rows)], down.paths[down.path(rows)]
+        if isinstance(g, BF16Linear) and isinstance(d, BF16Linear):
+            return g, d
+    return None
 
 
 def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -> tuple[list, object, dict]:
@@ -418,10 +439,11 @@ def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -
                 n == "q4" for _, n in tables[kind])):
             paths["q4"] = [row[j].q4 for row in layers4]
         if bf16 and (not tables or any(n == "bf16" for _, n in tables[kind])):  # copies only where timed or taken
-            paths["bf16"] = [_bf16_linear(torch.cat([m.weight.detach() for m in ms[j]]),
+            paths["bf16"] = [BF16Linear(torch.cat([m.weight.detach() for m in ms[j]]),
                                           None if ms[j][0].bias is None else torch.cat([m.bias.detach() for m in ms[j]]))
                              for ms in mods]
-        table, times = ((tables[kind], None) if tables else fastest_by_rows(paths, mods[0][j][0].in_features, dt))
+        table, times = ((tables[kind], None) if tables
+                        else fastest_by_rows(paths, mods[0][j][0].in_features, dt, PROMPT_ROWS))
         used = {n for _, n in table}  # paths no row count takes are dropped (their copies freed)
         for i in range(len(mods)):
             layers[i][j] = ByRows({n: paths[n][i] for n in used}, table)
@@ -429,7 +451,7 @@ def int4_by_rows(model, int4: tuple, dense: tuple, tables: dict | None = None) -
     head_paths = {n: [f] for n, f in head4.paths.items()}
     head_paths[_dt_name(dt)] = [head_d]
     if bf16 and (not tables or any(n == "bf16 packed" for _, n in tables["lm_head"])):
-        head_paths["bf16 packed"] = [_bf16_linear(model.lm_head.weight.detach(), model.lm_head.bias)]
+        head_paths["bf16 packed"] = [BF16Linear(model.lm_head.weight.detach(), model.lm_head.bias)]
     table, times = ((tables["lm_head"], None) if tables
                     else fastest_by_rows(head_paths, model.lm_head.in_features, dt))
     head = ByRows({n: head_paths[n][0] for _, n in table}, table)
@@ -449,7 +471,8 @@ def _dt_name(dt: torch.dtype) -> str:
 
 def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, caches: tuple[list, list], n_keys: int, attn_mask: torch.Tensor | None,
-                 causal: bool = False, rows: slice | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 causal: bool = False, rows: slice | torch.Tensor | None = None,
+                 segments: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Llama-family decoder over N new nodes of B rows: the one home of the layer math, run eagerly
     by `FastTarget` and `batch.BatchTarget`, and compiled by `StepGraph`.
 
@@ -460,6 +483,9 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     states (the inputs of the aux layers, paper Sec. 3.1, in `geometry`'s order): one row -> (N or the
     `rows` slice, V) and (N, 3H); a batch -> logits of the flat node indices `rows` into B * N (all when
     None), (M, V), and aux (B, N, 3H).
+    segments (causal only): several prompts packed end to end in one row, prompt r at [start, end) of N,
+    its K/V written to slots [0, end - start) of cache row r and each attending causally to its own tokens
+    only; the linears run once over all of them (more rows a matmul: a batch's prefill).
     """
     nh, nkv, hd, scaling, qk_norm, aux_layers, attention_dtype = geometry
     inner = model.model
@@ -495,19 +521,33 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
             else:  # q and k side by side in the projection's output: rotated in one pass
                 qk = _rotate(heads[:, :, :nh + nkv].transpose(1, 2), cos, sin)
                 q, k = qk[:, :nh], qk[:, nh:]
-            K.index_copy_(2, slots, k.to(K.dtype))
-            V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
+            if segments is None:
+                K.index_copy_(2, slots, k.to(K.dtype))
+                V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
+            else:  # prompt r into cache row r (copy_ rounds to the cache's dtype as .to does)
+                for r, (s, e) in enumerate(segments):
+                    K[r, :, :e - s].copy_(k[0, :, s:e])
+                    V[r, :, :e - s].copy_(v[0, s:e].transpose(0, 1))
         if causal:  # a prompt into an empty cache: its own K/V are every key, taken before the cache's rounding
-            o = attend(q.to(attention_dtype), k.to(attention_dtype), v.transpose(1, 2).to(attention_dtype), None,
-                       n_keys, scaling, causal)
+            qa, ka, va = q.to(attention_dtype), k.to(attention_dtype), v.transpose(1, 2).to(attention_dtype)
+            if segments is None:
+                o = attend(qa, ka, va, None, n_keys, scaling, causal).transpose(1, 2)
+            else:  # each prompt's heads written straight into the (1, N, heads, hd) the o projection reads
+                o = torch.empty(1, N, nh, hd, dtype=qa.dtype, device=qa.device)
+                for s, e in segments:
+                    o[0, s:e] = attend(qa[:, :, s:e], ka[:, :, s:e], va[:, :, s:e], None, e - s, scaling, causal)[0].transpose(0, 1)
         else:
-            o = attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal)
+            o = attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal).transpose(1, 2)
         o = o.to(x.dtype)
-        x = x + o_proj(o.transpose(1, 2).reshape(B, N, nh * hd))
-        gu = gate_up(_rms_norm(layer.post_attention_layernorm, x))
-        if fused_mlp:  # one dispatch for torch's silu and mul (csrc/norm.cpp)
-            x = x + down(torch.ops.dart_lab.silu_mul.default(gu))
+        x = x + o_proj(o.reshape(B, N, nh * hd))
+        h = _rms_norm(layer.post_attention_layernorm, x)
+        pair = _bf16_mlp(gate_up, down, h) if fused_mlp else None
+        if pair is not None:  # both on bf16 copies: silu * up from bf16 to bf16, the same numbers (csrc/norm.cpp)
+            x = x + pair[1].raw(torch.ops.dart_lab.silu_mul_bf16.default(pair[0].raw(h.to(torch.bfloat16)))).to(x.dtype)
+        elif fused_mlp:  # one dispatch for torch's silu and mul (csrc/norm.cpp)
+            x = x + down(torch.ops.dart_lab.silu_mul.default(gate_up(h)))
         else:
+            gu = gate_up(h)
             gate, up = gu.chunk(2, dim=-1)
             x = x + down(layer.mlp.act_fn(gate) * up)
     aux = torch.cat([taps[i] for i in aux_layers], dim=-1)
@@ -682,8 +722,9 @@ class FastTarget(Target):
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
     # one more measured path; 7: the LM head's halves on it too; 8: 128 rows in the sweep, where prompts
     # of 100-200 tokens cross from 4 bits to bf16; 9: our kernel prefetches, several rows cheaper; 10: several
-    # rows on AMX tiles where the CPU has them; 11: two groups at a time through two sets of tiles, AMX from 2 rows)
-    int4_revision = 11
+    # rows on AMX tiles where the CPU has them; 11: two groups at a time through two sets of tiles, AMX from 2 rows; 12:
+    # 1024 rows in the layers' sweep, a batch's prompts packed in one forward)
+    int4_revision = 12
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
     # arithmetic for AR and trees)

@@ -74,6 +74,26 @@ def test_every_method_batched_equals_batch1_ar(runner):
         assert [r.tokens for r in res.rows] == [a.tokens for a in ar], (name, "max_rows=2")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_prefill_equals_each_prompt_alone(arch):
+    """The compact runner's prefill packs a batch's prompts end to end into one forward (`pack_tokens`): each
+    row's last logits, aux states and cache slots equal its prompt run alone, also when the prompts split
+    over several packs."""
+    target = tiny_target(arch, runner="fast")
+    prompts = prompts_for(target)
+    alone = BatchTarget(target, pack_tokens=1)
+    ref = alone.prefill(prompts, want_aux=True)
+    for most in (2048, 30):  # one pack; packs of at most 30 tokens (and the 20-token prompt in one alone)
+        bt = BatchTarget(target, pack_tokens=most)
+        out = bt.prefill(prompts, want_aux=True)
+        assert bt.lens == alone.lens == [p.numel() for p in prompts]
+        for b, n in enumerate(bt.lens):
+            torch.testing.assert_close(out.logits[b], ref.logits[b], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out.aux[b], ref.aux[b], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(bt._k[:, b, :, :n], alone._k[:, b, :, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(bt._v[:, b, :, :n], alone._v[:, b, :, :n], atol=1e-5, rtol=1e-5)
+
+
 def test_batched_verify_logits_equal_each_row_alone():
     """Tree logits of a batch = each row's tree verified alone (mixed sizes, padding, holes in the cache)."""
     for runner in ("hf", "fast"):

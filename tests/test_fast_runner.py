@@ -578,7 +578,7 @@ def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
 def test_rms_norm_op_is_torchs_to_fp32_rounding():
     """Our one-pass norm (`dart_lab::rms_norm`, csrc/norm.cpp; an eager step's norms where it builds) against
     F.rms_norm: any width (a partial last vector too), any leading shape; contiguous fp32 only. And the MLP's
-    silu(gate) * up in one dispatch (`silu_mul`), exactly torch's."""
+    silu(gate) * up in one dispatch (`silu_mul`), exactly torch's, and its bf16 -> bf16 form."""
     import torch.nn.functional as F
     from dart_lab import kernels
     if not kernels.rms_norm_here():
@@ -594,3 +594,8 @@ def test_rms_norm_op_is_torchs_to_fp32_rounding():
     gu = torch.randn(2, 3, 2 * 48, generator=g) * 4
     gate, up = gu.chunk(2, dim=-1)
     assert torch.equal(torch.ops.dart_lab.silu_mul(gu), F.silu(gate) * up)
+    # from bf16 to bf16 (`silu_mul_bf16`, a prompt's MLP on bf16 copies): the fp32 op on the widened values, rounded
+    # once -- any row count (blocks of rows over the threads, a partial last block) and width, any leading shape
+    for shape in ((37, 2 * 1536), (2, 5, 2 * 40), (1, 2 * 8), (0, 2 * 16)):
+        gu = (torch.randn(*shape, generator=g) * 4).to(torch.bfloat16)
+        assert torch.equal(torch.ops.dart_lab.silu_mul_bf16(gu), torch.ops.dart_lab.silu_mul(gu.float()).to(torch.bfloat16))
