@@ -97,6 +97,11 @@ def override(heads: int, kv_heads: int, head_dim: int, nodes: int | None) -> Non
             _state[(heads, kv_heads, head_dim, dt)] = nodes
 
 
+def ours(heads: int, kv_heads: int, head_dim: int, nodes: int, kv_dtype: torch.dtype) -> bool:
+    """Whether a step of `nodes` nodes a row takes our kernel (fp32 queries on a CPU; `prepare` measured it)."""
+    return nodes <= _state.get((heads, kv_heads, head_dim, kv_dtype), 0)
+
+
 def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, n_keys: int, scale: float,
            causal: bool = False) -> torch.Tensor:
     """softmax(q K^T * scale + mask) V over cache slots [0, n_keys): q (B, H, N, D); K, V (B, Hk, capacity, D),
@@ -104,7 +109,6 @@ def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor
     dtype, or None (every key; `causal`: a prompt's causal mask). Returns (B, H, N, D) in q's dtype. Our
     kernel where `prepare` measured it faster for N nodes a row and this cache dtype, else SDPA."""
     B, H, N, D = q.shape
-    if (not causal and N <= _state.get((H, K.shape[1], D, K.dtype), 0) and q.dtype == torch.float32
-            and q.device.type == "cpu"):
+    if not causal and ours(H, K.shape[1], D, N, K.dtype) and q.dtype == torch.float32 and q.device.type == "cpu":
         return torch.ops.dart_lab.decode_attn(q, K[:, :, :n_keys], V[:, :, :n_keys], mask, scale)
     return _sdpa(q, K, V, mask, n_keys, scale, causal)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .attention import attend, available as attention_available, prepare as prepare_attention
+from .attention import attend, available as attention_available, ours as attention_ours, prepare as prepare_attention
 from .q4 import Q4Linear
 from .target import Target, TargetOutput
 from .tree import Tree
@@ -504,8 +504,15 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
              and not torch.compiler.is_compiling() and kernels.rope_cache_here())
     fused_mlp = (x.device.type == "cpu" and getattr(model.config, "hidden_act", None) in ("silu", "swish")
                  and not torch.compiler.is_compiling() and kernels.rms_norm_here())
-    taps = {}
-    for i, layer in enumerate(inner.layers):
+    stack = (_q4_stack(model, projs, B * N) if fused and fused_mlp and attention_dtype == torch.float32
+             and attention_ours(nh, nkv, hd, N, caches[0][0].dtype) and kernels.layers_here() else None)
+    if stack is not None:  # every linear on our 4-bit kernel, attention on ours: the layers in one op, same numbers
+        x, tapped = torch.ops.dart_lab.q4_layers.default(x, *stack, rows_cos, rows_sin, caches[0], caches[1], slots,
+                                                         attn_mask, n_keys, scaling, nh, nkv, list(aux_layers))
+        taps = dict(zip(aux_layers, tapped))
+    else:
+        taps = {}
+    for i, layer in enumerate(inner.layers if stack is None else ()):
         if i in aux_layers:
             taps[i] = x
         att, (qkv, o_proj, gate_up, down) = layer.self_attn, projs[i]
@@ -555,6 +562,35 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         return head(_rms_norm(inner.norm, x[0] if rows is None else x[0, rows])).float(), aux[0]
     h = x.reshape(B * N, -1) if rows is None else x.reshape(B * N, -1)[rows]  # only the rows whose logits are read
     return head(_rms_norm(inner.norm, h)).float(), aux
+
+
+_stacks: dict = {}  # id(projs) -> (projs, {rows' paths: q4_layers' weight arguments})
+
+
+def _q4_stack(model, projs, rows: int) -> tuple | None:
+    """`dart_lab::q4_layers`' per-layer arguments (norm weights, eps, and q4mm's wp, sl, n_out, halves, bias for
+    q|k|v, o, gate|up, down) where each linear takes our 4-bit kernel (`Q4Linear`) for `rows` rows and every
+    norm is an fp32 RMSNorm of one eps; else None. Built once per projections and paths."""
+    def q4(f):
+        f = f.paths[f.path(rows)] if isinstance(f, ByRows) else f
+        return f if isinstance(f, Q4Linear) else None
+
+    sig = tuple(f.path(rows) if isinstance(f, ByRows) else type(f).__name__ for f in projs[0])
+    held = _stacks.get(id(projs))
+    if held is None or held[0] is not projs:
+        if len(_stacks) > 4:
+            _stacks.clear()
+        held = _stacks[id(projs)] = (projs, {})
+    if sig not in held[1]:
+        lins = [q4(f) for row in projs for f in row]
+        norms = [n for l in model.model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
+        eps = {getattr(n, "variance_epsilon", None) for n in norms}
+        ok = (all(lins) and len(eps) == 1 and None not in eps
+              and all(getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32 for n in norms))
+        held[1][sig] = (([n.weight for n in norms], float(eps.pop()), [f.wp for f in lins], [f.sl for f in lins],
+                         [f.out_features for f in lins], [f.halves for f in lins], [f.b for f in lins])
+                        if ok else None)
+    return held[1][sig]
 
 
 def _side_by_side(*mods: torch.nn.Linear):
@@ -715,8 +751,9 @@ class FastTarget(Target):
     # nodes a row on our attention kernel where it measures faster, attention.py; 6: eager fp32 norms on our
     # one-pass op, csrc/norm.cpp; 7: the attention kernel prefetches K and V; 8: it cuts a tree's query rows
     # into blocks over the threads; 9: it skips the keys every position of a row masks; 10: bf16 K/V caches; 11:
-    # rotation and cache write in one op, csrc/rope.cpp; 12: the MLP's silu * up in one dispatch)
-    runner_revision = 12
+    # rotation and cache write in one op, csrc/rope.cpp; 12: the MLP's silu * up in one dispatch; 13: a step's
+    # layers in one op where every linear takes our 4-bit kernel, csrc/layers.cpp)
+    runner_revision = 13
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,

@@ -3,7 +3,8 @@ extension loader the first time a process asks for it (a C++ compiler needed, as
 CPU; ~10-25 s, then cached by torch, one build per torch version), and only on a CPU that has the
 instruction sets it is written for. Users: `q4.py` (a 4-bit weight-only matmul), `attention.py` (a
 decoding step's attention), `fast_llama._rms_norm` (`rms_norm_here`: an eager step's norms),
-`fast_llama.decoder_step` (`rope_cache_here`: an eager step's rotation and K/V cache write)."""
+`fast_llama.decoder_step` (`rope_cache_here`: an eager step's rotation and K/V cache write; `layers_here`:
+its decoder layers in one op)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -79,3 +80,15 @@ def rope_cache_here() -> bool:
     if "reason" not in _rope:
         reason(_rope, "rope", {"avx512f"}, lambda: None)
     return _rope["reason"] is None
+
+
+_layers: dict = {}
+
+
+def layers_here() -> bool:
+    """Whether `dart_lab::q4_layers` (csrc/layers.cpp: an eager step's decoder layers in one op, calling our
+    other kernels from C++) is built here; it needs those kernels' ops loaded first (`fast_llama.decoder_step`
+    asks after them). Asked once a step, so after the first call it is one dict lookup."""
+    if "reason" not in _layers:
+        reason(_layers, "layers", {"avx512f"}, lambda: None)
+    return _layers["reason"] is None

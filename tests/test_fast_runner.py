@@ -309,6 +309,45 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
     assert again.dtype_report["int4"]["by_rows"]["cached"] and not measured.dtype_report["int4"]["by_rows"]["cached"]
 
 
+def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path):
+    """`dart_lab::q4_layers` (csrc/layers.cpp): where every linear of a step takes our 4-bit kernel and attention
+    ours, the decoder layers run as one op calling the same kernels -- the eager loop's numbers bit for bit
+    (logits, aux states, the K/V cache; one row and a batch, 1 and 4 nodes, fp32 and bf16 caches); and the
+    steps do take it."""
+    from dart_lab import attention, fast_llama, kernels
+    from dart_lab.batch import BatchTarget
+    if not (q4.available() and attention.available() and kernels.rope_cache_here() and kernels.rms_norm_here()
+            and kernels.layers_here()):
+        pytest.skip("our kernels are not built here")
+    model = _grid_model_on_clock(monkeypatch, tmp_path, {"q4": lambda r: 0.0})  # our 4-bit kernel at every width
+    taken = []
+    stack = fast_llama._q4_stack
+    monkeypatch.setattr(fast_llama, "_q4_stack", lambda *a: taken.append(stack(*a)) or taken[-1])
+    prompts = [torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2]), torch.tensor([3, 8, 8, 17]), torch.tensor([11] * 6)]
+    chain = Tree(torch.arange(20, 24), torch.arange(-1, 3))
+    for bf16 in (False, True):
+        runs = {}
+        for on in (True, False):
+            monkeypatch.setitem(kernels._layers, "reason", None if on else "off")
+            t = make_target(model, runner="fast")
+            t.weights, t.bf16_cache = "int4", bf16
+            t.prefill(prompts[0])
+            monkeypatch.setitem(attention._state, (t.n_heads, t.n_kv, t.head_dim, t.cache_dtype), 4)
+            taken.clear()
+            one = t.verify(Tree.single(7), want_aux=True)
+            t.commit([0])
+            four = t.verify(chain, want_aux=True)
+            t.commit([0, 1])
+            bt = BatchTarget(t)
+            bt.prefill(prompts)
+            rows = bt.verify([Tree.single(3), chain, Tree.from_paths(4, [[6, 7]])], want_aux=True)
+            bt.commit([[0], [0, 1, 2], [0, 1]])
+            runs[on] = ([one.logits, one.aux, four.logits, four.aux, *t.kv_cache] + list(rows.logits)
+                        + list(rows.aux) + [bt._k, bt._v])
+            assert (len(taken) == 3 and all(s is not None for s in taken)) if on else not taken
+        assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+
+
 def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
     """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = bf16(x) W^T with W = q * scale + low exactly, to
     fp32 rounding, for any row count (rows go through the kernel 8 at a time; on AMX tiles 16 at a time, both
