@@ -7,6 +7,7 @@ decoding step's attention), `fast_llama._rms_norm` (`rms_norm_here`: an eager st
 its decoder layers in one op)."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -92,3 +93,21 @@ def layers_here() -> bool:
     if "reason" not in _layers:
         reason(_layers, "layers", {"avx512f"}, lambda: None)
     return _layers["reason"] is None
+
+
+@contextlib.contextmanager
+def turned_off(*stems: str):
+    """Within: the eager-step kernels of these `csrc/<stem>.cpp` ("norm", "rope", "layers") count as absent, so
+    steps take the torch ops (or the Python loop) they replace -- the other side of an A/B timing or a test."""
+    states = {"norm": _norm, "rope": _rope, "layers": _layers}
+    saved = {s: states[s].get("reason", ...) for s in stems}
+    try:
+        for s in stems:
+            states[s]["reason"] = "turned off"
+        yield
+    finally:
+        for s, why in saved.items():
+            if why is ...:
+                states[s].pop("reason", None)
+            else:
+                states[s]["reason"] = why

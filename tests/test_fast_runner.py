@@ -325,27 +325,30 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path):
     monkeypatch.setattr(fast_llama, "_q4_stack", lambda *a: taken.append(stack(*a)) or taken[-1])
     prompts = [torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2]), torch.tensor([3, 8, 8, 17]), torch.tensor([11] * 6)]
     chain = Tree(torch.arange(20, 24), torch.arange(-1, 3))
+
+    def steps(bf16: bool) -> list[torch.Tensor]:
+        t = make_target(model, runner="fast")
+        t.weights, t.bf16_cache = "int4", bf16
+        t.prefill(prompts[0])
+        monkeypatch.setitem(attention._state, (t.n_heads, t.n_kv, t.head_dim, t.cache_dtype), 4)
+        taken.clear()
+        one = t.verify(Tree.single(7), want_aux=True)
+        t.commit([0])
+        four = t.verify(chain, want_aux=True)
+        t.commit([0, 1])
+        bt = BatchTarget(t)
+        bt.prefill(prompts)
+        rows = bt.verify([Tree.single(3), chain, Tree.from_paths(4, [[6, 7]])], want_aux=True)
+        bt.commit([[0], [0, 1, 2], [0, 1]])
+        return [one.logits, one.aux, four.logits, four.aux, *t.kv_cache, *rows.logits, *rows.aux, bt._k, bt._v]
+
     for bf16 in (False, True):
-        runs = {}
-        for on in (True, False):
-            monkeypatch.setitem(kernels._layers, "reason", None if on else "off")
-            t = make_target(model, runner="fast")
-            t.weights, t.bf16_cache = "int4", bf16
-            t.prefill(prompts[0])
-            monkeypatch.setitem(attention._state, (t.n_heads, t.n_kv, t.head_dim, t.cache_dtype), 4)
-            taken.clear()
-            one = t.verify(Tree.single(7), want_aux=True)
-            t.commit([0])
-            four = t.verify(chain, want_aux=True)
-            t.commit([0, 1])
-            bt = BatchTarget(t)
-            bt.prefill(prompts)
-            rows = bt.verify([Tree.single(3), chain, Tree.from_paths(4, [[6, 7]])], want_aux=True)
-            bt.commit([[0], [0, 1, 2], [0, 1]])
-            runs[on] = ([one.logits, one.aux, four.logits, four.aux, *t.kv_cache] + list(rows.logits)
-                        + list(rows.aux) + [bt._k, bt._v])
-            assert (len(taken) == 3 and all(s is not None for s in taken)) if on else not taken
-        assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+        on = steps(bf16)
+        assert len(taken) == 3 and all(s is not None for s in taken)
+        with kernels.turned_off("layers"):
+            off = steps(bf16)
+        assert not taken
+        assert all(torch.equal(a, b) for a, b in zip(on, off))
 
 
 def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
