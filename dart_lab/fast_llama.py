@@ -37,6 +37,7 @@ import functools
 import inspect
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -564,33 +565,33 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     return head(_rms_norm(inner.norm, h)).float(), aux
 
 
-_stacks: dict = {}  # id(projs) -> (projs, {rows' paths: q4_layers' weight arguments})
+_stacks = weakref.WeakKeyDictionary()  # a step's first linear -> {rows' paths: q4_layers' weight arguments}
 
 
 def _q4_stack(model, projs, rows: int) -> tuple | None:
     """`dart_lab::q4_layers`' per-layer arguments (norm weights, eps, and q4mm's wp, sl, n_out, halves, bias for
     q|k|v, o, gate|up, down) where each linear takes our 4-bit kernel (`Q4Linear`) for `rows` rows and every
-    norm is an fp32 RMSNorm of one eps; else None. Built once per projections and paths."""
+    norm is an fp32 RMSNorm of one eps; else None. Built once per projections and paths, kept as long as the
+    projections live."""
     def q4(f):
         f = f.paths[f.path(rows)] if isinstance(f, ByRows) else f
         return f if isinstance(f, Q4Linear) else None
 
     sig = tuple(f.path(rows) if isinstance(f, ByRows) else type(f).__name__ for f in projs[0])
-    held = _stacks.get(id(projs))
-    if held is None or held[0] is not projs:
-        if len(_stacks) > 4:
-            _stacks.clear()
-        held = _stacks[id(projs)] = (projs, {})
-    if sig not in held[1]:
+    try:
+        held = _stacks.setdefault(projs[0][0], {})
+    except TypeError:  # a linear that cannot be weakly referenced: not one of ours
+        return None
+    if sig not in held:
         lins = [q4(f) for row in projs for f in row]
         norms = [n for l in model.model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
         eps = {getattr(n, "variance_epsilon", None) for n in norms}
         ok = (all(lins) and len(eps) == 1 and None not in eps
               and all(getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32 for n in norms))
-        held[1][sig] = (([n.weight for n in norms], float(eps.pop()), [f.wp for f in lins], [f.sl for f in lins],
-                         [f.out_features for f in lins], [f.halves for f in lins], [f.b for f in lins])
-                        if ok else None)
-    return held[1][sig]
+        held[sig] = (([n.weight for n in norms], float(eps.pop()), [f.wp for f in lins], [f.sl for f in lins],
+                      [f.out_features for f in lins], [f.halves for f in lins], [f.b for f in lins])
+                     if ok else None)
+    return held[sig]
 
 
 def _side_by_side(*mods: torch.nn.Linear):
