@@ -24,6 +24,51 @@ from .target import Target, sync
 from .tree import Tree, best_closed_tree
 
 
+class _Q8Forward:
+    """x -> the outputs of `mods` through their 8-bit copy `q8` (`q4.q8_linear`); while autograd records (training
+    the head), the modules' own weights."""
+
+    def __init__(self, q8, *mods: torch.nn.Linear):
+        self.q8, self.mods = q8, mods
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(m.weight.requires_grad for m in self.mods):
+            ys = [torch.nn.functional.linear(x, m.weight, m.bias) for m in self.mods]
+            return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+        return self.q8(x)
+
+
+def linears_in_8bit(head) -> bool:
+    """Every linear of a draft head through an 8-bit grid of its weights on our 4-bit kernel (`q4.q8_linear`; q|k|v
+    and gate|up fused): a draft forward reads ~1 byte a weight instead of bf16's 2. The head's own weights stay
+    as they are. False, and the head unchanged, where the kernel is absent or a shape does not fit."""
+    from .q4 import q8_linear
+
+    lay = head.midlayer
+    att, mlp = lay.self_attn, lay.mlp
+    fused = {"qkv": (att.q_proj, att.k_proj, att.v_proj), "gate_up": (mlp.gate_proj, mlp.up_proj)}
+    singles = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    built = {id(m): q8_linear(m) for m in singles}
+    both = {k: q8_linear(*mods) for k, mods in fused.items()}
+    if any(q is None for q in [*built.values(), *both.values()]):
+        return False
+    for m in singles:
+        m.forward = _Q8Forward(built[id(m)], m)
+    att.qkv, mlp.gate_up = _Q8Forward(both["qkv"], *fused["qkv"]), _Q8Forward(both["gate_up"], *fused["gate_up"])
+    head.linears_8bit = True
+    return True
+
+
+def dense_linears(head) -> None:
+    """Undo `linears_in_8bit` and any packing: every linear computes from the head's weights again (a drafter
+    made next packs them)."""
+    for m in head.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.__dict__.pop("forward", None)
+    head.midlayer.self_attn.qkv = head.midlayer.mlp.gate_up = None
+    head.linears_8bit = False
+
+
 class HeadDrafter(Drafter):
     """What the head drafters (DART, EAGLE-3) share: the head's KV cache of every committed prefix
     position, and the aux states of newly accepted positions, fed at the next `propose`."""
@@ -34,10 +79,11 @@ class HeadDrafter(Drafter):
         super().__init__()
         self.head = head
         self.vocab_map = head.draft_to_target()
-        pack_linears(head)  # CPU inference: oneDNN-packed weights (a faster head forward, docs/speed.md)
-        lay = head.midlayer  # and q|k|v, gate|up as one matmul each (fewer small-M calls: ~0.1 ms a draft)
-        lay.self_attn.qkv = PackedProjection(lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj)
-        lay.mlp.gate_up = PackedProjection(lay.mlp.gate_proj, lay.mlp.up_proj)
+        if not getattr(head, "linears_8bit", False):  # else `linears_in_8bit` set every linear's path
+            pack_linears(head)  # CPU inference: oneDNN-packed weights (a faster head forward, docs/speed.md)
+            lay = head.midlayer  # and q|k|v, gate|up as one matmul each (fewer small-M calls: ~0.1 ms a draft)
+            lay.self_attn.qkv = PackedProjection(lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj)
+            lay.mlp.gate_up = PackedProjection(lay.mlp.gate_proj, lay.mlp.up_proj)
 
     def begin(self, target, ids, aux):
         self.eos = target.eos_ids

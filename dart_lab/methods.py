@@ -110,31 +110,45 @@ def _dart_head(target, opts: MethodOptions, cache: dict):
 
 
 def fastest_head_dtype(target, head, min_gain: float = 1.1, repeats: int = 7):
-    """The DART head in the arithmetic its draft forward runs fastest in here: on a CPU that packs bf16
-    (oneDNN: AVX-512 or AMX), an fp32 head (an fp32 or int4 target) is timed as it drafts
-    (`budget.head_forward_ms`) in fp32 and in bf16, interleaved, and kept in bf16 when that is `min_gain`
-    x faster. A draft step's head forward is a small-M matmul chain whose fp32 weights (the 8k-row LM
-    head most) stream from memory every step; bf16 halves that. What the head drafts moves only speed:
-    the target verifies every token (lossless either way). Elsewhere, or slower: the head unchanged,
-    its weights exact. `head.chosen_dtype` records the choice and both timings."""
+    """The DART head in the arithmetic its draft forward runs fastest in here. A draft step's head forward is a
+    small-M matmul chain whose weights (the 8k-row LM head most) stream from memory every step, so fewer bytes a
+    weight pay: on a CPU that packs bf16 (oneDNN: AVX-512 or AMX) an fp32 head is timed as it drafts
+    (`budget.head_forward_ms`) in fp32, in bf16 and, where our 4-bit kernel builds, with its linears on an 8-bit
+    grid of the weights (`drafters.linears_in_8bit`), interleaved; the fastest is kept when it is `min_gain` x
+    faster than fp32. What the head drafts moves only speed: the target verifies every token (lossless either
+    way). Elsewhere, or slower: the head unchanged, its weights exact. `head.chosen_dtype` records the choice and
+    every timing."""
     from .budget import head_forward_ms
+    from .drafters import dense_linears, linears_in_8bit
     from .fast_llama import can_pack
 
     w = head.fc.weight
     if w.dtype != torch.float32 or not can_pack(w.device, torch.bfloat16):
         return head
     exact = {k: v.detach().clone() for k, v in head.state_dict().items()}
-    times = {torch.float32: [], torch.bfloat16: []}
-    for _ in range(2):  # interleaved: a drifting host moves both alike
-        for dt in times:
-            head.to(dt)
-            times[dt].append(head_forward_ms(lambda: DartDrafter(head, None), target, 1, repeats))
-    fp32, bf16 = min(times[torch.float32]), min(times[torch.bfloat16])
-    keep = torch.bfloat16 if fp32 >= min_gain * bf16 else torch.float32
-    head.to(keep)
-    if keep == torch.float32:
+
+    def use(name: str) -> bool:
+        dense_linears(head)
+        if name == "bfloat16":
+            head.to(torch.bfloat16)
+            return True
+        head.to(torch.float32)
         head.load_state_dict(exact)
-    head.chosen_dtype = {"dtype": str(keep), "draft_forward_ms": {"float32": round(fp32, 3), "bfloat16": round(bf16, 3)}}
+        return name == "float32" or linears_in_8bit(head)
+
+    names = [n for n in ("float32", "bfloat16", "q8") if use(n)]
+    times = {n: [] for n in names}
+    for _ in range(2):  # interleaved: a drifting host moves all alike
+        for n in names:
+            use(n)
+            times[n].append(head_forward_ms(lambda: DartDrafter(head, None), target, 1, repeats))
+    best = {n: min(v) for n, v in times.items()}
+    fastest = min(names, key=lambda n: best[n])
+    keep = fastest if best["float32"] >= min_gain * best[fastest] else "float32"
+    use(keep)
+    head.chosen_dtype = {"dtype": {"float32": "torch.float32", "bfloat16": "torch.bfloat16",
+                                   "q8": "q8 (8-bit grid of the weights, our 4-bit kernel)"}[keep],
+                         "draft_forward_ms": {n: round(v, 3) for n, v in best.items()}}
     return head
 
 

@@ -487,3 +487,58 @@ def test_drafting_head_with_packed_fused_projections_computes_the_plain_forward(
     out = run()
     torch.utils._pytree.tree_leaves(out)[0].float().sum().backward()
     assert head.midlayer.self_attn.q_proj.weight.grad is not None and head.midlayer.mlp.up_proj.weight.grad is not None
+
+
+def test_head_linears_on_an_8bit_grid_and_the_head_dtype_chosen_by_its_speed(monkeypatch):
+    """`drafters.linears_in_8bit`: every linear of a DART head through an 8-bit grid of its weights on our 4-bit
+    kernel drafts what the exact head drafts up to that grid (logits about as close as the bf16 head's),
+    still trains through the exact weights, and `dense_linears` restores the exact forward. `methods.
+    fastest_head_dtype` keeps the arithmetic whose draft forward it timed fastest when that is 1.1x fp32's
+    (here a stand-in clock), else fp32 with its weights exact."""
+    from dart_lab import budget, q4
+    from dart_lab.drafters import dense_linears, linears_in_8bit
+    from dart_lab.fast_llama import can_pack
+    from dart_lab.methods import fastest_head_dtype
+
+    if not q4.available():
+        pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
+    target = tiny_target("llama", runner="fast")
+    head = random_head(target, "dart")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, target.vocab_size, (9,), generator=g).tolist()
+    aux = torch.randn(9, 3 * target.hidden_size, generator=g)
+
+    def draft() -> torch.Tensor:
+        d = DartDrafter(head)
+        d.begin(target, ids, aux)
+        return d.draft_logits()
+
+    exact = draft()
+    head.to(torch.bfloat16)
+    bf16 = draft().float()
+    head.to(torch.float32).load_state_dict(random_head(target, "dart").state_dict())
+    assert torch.equal(draft(), exact)
+    assert linears_in_8bit(head) and head.linears_8bit
+    q8 = draft()
+    err, err_bf16 = float((q8 - exact).abs().max()), float((bf16 - exact).abs().max())
+    assert 0 < err < 2 * err_bf16  # as close to the exact head as the bf16 head is
+    x = torch.randn(2, 3 * target.hidden_size, requires_grad=True)
+    head.fc(x).sum().backward()  # autograd recording: the exact weights
+    assert head.fc.weight.grad is not None
+    dense_linears(head)
+    assert torch.equal(draft(), exact)
+    if not can_pack(torch.device("cpu"), torch.bfloat16):
+        return
+    for clock, want in (({"q8": 1.0, "bf16": 2.0, "fp32": 3.0}, "q8"), ({"q8": 2.9, "bf16": 2.8, "fp32": 3.0}, "torch.float32")):
+        def timed(new_drafter, target, rows, repeats, clock=clock):
+            h = new_drafter().head
+            return clock["q8" if getattr(h, "linears_8bit", False) else
+                         "bf16" if h.fc.weight.dtype == torch.bfloat16 else "fp32"]
+        monkeypatch.setattr(budget, "head_forward_ms", timed)
+        fastest_head_dtype(target, head)
+        assert head.chosen_dtype["dtype"].startswith(want) and set(head.chosen_dtype["draft_forward_ms"]) == {
+            "float32", "bfloat16", "q8"}
+        if want == "q8":
+            assert head.linears_8bit and torch.equal(draft(), q8)
+        else:
+            assert not head.linears_8bit and head.fc.weight.dtype == torch.float32 and torch.equal(draft(), exact)
