@@ -244,7 +244,7 @@ class _Quiet:
         pass
 
 
-def _grid_model_on_clock(monkeypatch, tmp_path, cost: dict):
+def _grid_model_on_clock(monkeypatch, tmp_path, cost: dict, arch: str = "llama"):
     """A tiny Llama with 4-bit grids (`_as_4bit_grids`) whose int4 paths are timed by a stand-in clock
     (`cost`: path name -> rows -> ms; any other path 1e3), the run counted as a quiet machine's, into a fresh
     cache folder."""
@@ -252,7 +252,7 @@ def _grid_model_on_clock(monkeypatch, tmp_path, cost: dict):
     monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
     monkeypatch.setattr(machine, "LoadMeter", _Quiet)
     monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
-    model = tiny_model("llama")
+    model = tiny_model(arch)
     _as_4bit_grids(model)
     return model
 
@@ -309,7 +309,8 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
     assert again.dtype_report["int4"]["by_rows"]["cached"] and not measured.dtype_report["int4"]["by_rows"]["cached"]
 
 
-def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q|k|v with biases
+def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
     """`dart_lab::q4_layers` (csrc/layers.cpp): where every linear of a step takes our 4-bit kernel and attention
     ours, the decoder layers run as one op calling the same kernels -- the eager loop's numbers bit for bit
     (logits, aux states, the K/V cache; one row and a batch, 1 and 4 nodes, fp32 and bf16 caches); and the
@@ -319,7 +320,7 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path):
     if not (q4.available() and attention.available() and kernels.rope_cache_here() and kernels.rms_norm_here()
             and kernels.layers_here()):
         pytest.skip("our kernels are not built here")
-    model = _grid_model_on_clock(monkeypatch, tmp_path, {"q4": lambda r: 0.0})  # our 4-bit kernel at every width
+    model = _grid_model_on_clock(monkeypatch, tmp_path, {"q4": lambda r: 0.0}, arch)  # our 4-bit kernel at every width
     taken = []
     stack = fast_llama._q4_stack
     monkeypatch.setattr(fast_llama, "_q4_stack", lambda *a: taken.append(stack(*a)) or taken[-1])
