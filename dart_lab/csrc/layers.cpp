@@ -1,9 +1,10 @@
 // dart_lab::q4_layers -- an eager fp32 step's decoder layers in one op, where every linear of the step takes
 // our 4-bit kernel and attention our kernel (built on first use: dart_lab/kernels.py). Why: a one-token step
-// of a 30-layer model makes ~15 op calls a layer from Python; their dispatch from Python (several us each)
-// was ~3 ms of a ~10 ms step. Here the same ops are called in the same order from C++ through the dispatcher
-// (dart_lab::rms_norm, q4mm, rope_cache, decode_attn, silu_mul, and ATen's add / reshape), so the numbers are
-// those of fast_llama.decoder_step's eager loop, bit for bit; only the Python between them is gone.
+// of a 30-layer model makes ~15 op calls a layer; dispatched from Python (several us each) they are a large
+// share of a step whose arithmetic is small (docs/speed.md). Here the same ops are called in the same order
+// from C++ through the dispatcher (dart_lab::rms_norm, q4mm, rope_cache, decode_attn, silu_mul, and ATen's
+// add / reshape), so the numbers are those of fast_llama.decoder_step's eager loop, bit for bit; only the
+// Python between them is gone.
 //
 // x (B, N, hidden) fp32 contiguous; per layer i: norms[2i], norms[2i+1] (the input and post-attention RMSNorm
 // weights, fp32), linears 4i..4i+3 (q|k|v, o, gate|up, down) as q4mm's (wp, sl, n_out, halves) and an
