@@ -409,13 +409,14 @@ class BF16Linear:
         return self.raw(x.to(torch.bfloat16)).to(x.dtype)
 
 
-def _bf16_mlp(gate_up, down, x: torch.Tensor) -> tuple | None:
-    """(gate_up, down) as `BF16Linear`s where both take their bf16 copies for x's rows, else None."""
-    if isinstance(gate_up, ByRows) and isinstance(down, ByRows):
-        rows = x.numel() // x.shape[-1]
-        g, d = gate_up.paths[gate_up.path(rows)], down.paths[down.path(rows)]
-        if isinstance(g, BF16Linear) and isinstance(d, BF16Linear):
-            return g, d
+def _bf16_mlp(projs, rows: int) -> tuple[str, str] | None:
+    """The path names of gate|up and down where both take their bf16 copies (`BF16Linear`) for `rows` rows, else
+    None. One table per kind of linear (`int4_by_rows`), so layer 0 answers for every layer, once a step."""
+    g, d = projs[0][2], projs[0][3]
+    if isinstance(g, ByRows) and isinstance(d, ByRows):
+        names = g.path(rows), d.path(rows)
+        if isinstance(g.paths[names[0]], BF16Linear) and isinstance(d.paths[names[1]], BF16Linear):
+            return names
     return None
 
 
@@ -505,6 +506,7 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
              and not torch.compiler.is_compiling() and kernels.rope_cache_here())
     fused_mlp = (x.device.type == "cpu" and getattr(model.config, "hidden_act", None) in ("silu", "swish")
                  and not torch.compiler.is_compiling() and kernels.rms_norm_here())
+    mlp_bf16 = _bf16_mlp(projs, B * N) if fused_mlp else None
     stack = (_q4_stack(model, projs, B * N) if fused and fused_mlp and attention_dtype == torch.float32
              and attention_ours(nh, nkv, hd, N, caches[0][0].dtype) and kernels.layers_here() else None)
     if stack is not None:  # every linear on our 4-bit kernel, attention on ours: the layers in one op, same numbers
@@ -549,9 +551,9 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         o = o.to(x.dtype)
         x = x + o_proj(o.reshape(B, N, nh * hd))
         h = _rms_norm(layer.post_attention_layernorm, x)
-        pair = _bf16_mlp(gate_up, down, h) if fused_mlp else None
-        if pair is not None:  # both on bf16 copies: silu * up from bf16 to bf16, the same numbers (csrc/norm.cpp)
-            x = x + pair[1].raw(torch.ops.dart_lab.silu_mul_bf16.default(pair[0].raw(h.to(torch.bfloat16)))).to(x.dtype)
+        if mlp_bf16 is not None:  # both on bf16 copies: silu * up from bf16 to bf16, the same numbers (csrc/norm.cpp)
+            g, d = gate_up.paths[mlp_bf16[0]], down.paths[mlp_bf16[1]]
+            x = x + d.raw(torch.ops.dart_lab.silu_mul_bf16.default(g.raw(h.to(torch.bfloat16)))).to(x.dtype)
         elif fused_mlp:  # one dispatch for torch's silu and mul (csrc/norm.cpp)
             x = x + down(torch.ops.dart_lab.silu_mul.default(gate_up(h)))
         else:

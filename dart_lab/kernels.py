@@ -59,40 +59,35 @@ def reason(state: dict, stem: str, need: set[str], register_fake) -> str | None:
     return state["reason"]
 
 
+def _built(state: dict, stem: str) -> bool:
+    """Whether an eager-step kernel (`csrc/<stem>.cpp`, AVX-512) is built here; after the first call one dict
+    lookup, so a step may ask for each of its ops."""
+    if "reason" not in state:
+        reason(state, stem, {"avx512f"}, lambda: None)
+    return state["reason"] is None
+
+
 _norm: dict = {}
-
-
-def rms_norm_here() -> bool:
-    """Whether `dart_lab::rms_norm` (csrc/norm.cpp: F.rms_norm's arithmetic in one pass a row, fp32, AVX-512)
-    is built here. Eager steps only: a compiled graph keeps F.rms_norm, which inductor fuses. Asked for each of
-    a step's norms, so after the first call it is one dict lookup."""
-    if "reason" not in _norm:
-        reason(_norm, "norm", {"avx512f"}, lambda: None)
-    return _norm["reason"] is None
-
-
 _rope: dict = {}
-
-
-def rope_cache_here() -> bool:
-    """Whether `dart_lab::rope_cache` (csrc/rope.cpp: a step's rotary embedding and K/V cache write in one op,
-    fp32, AVX-512) is built here. Eager steps only: a compiled graph keeps the torch ops, which inductor fuses.
-    Asked once a step, so after the first call it is one dict lookup."""
-    if "reason" not in _rope:
-        reason(_rope, "rope", {"avx512f"}, lambda: None)
-    return _rope["reason"] is None
-
-
 _layers: dict = {}
 
 
+def rms_norm_here() -> bool:
+    """`dart_lab::rms_norm` (csrc/norm.cpp: F.rms_norm's arithmetic in one pass a row, fp32), and the MLP's
+    `silu_mul` ops beside it. Eager steps only: a compiled graph keeps F.rms_norm, which inductor fuses."""
+    return _built(_norm, "norm")
+
+
+def rope_cache_here() -> bool:
+    """`dart_lab::rope_cache` (csrc/rope.cpp: a step's rotary embedding and K/V cache write in one op, fp32).
+    Eager steps only: a compiled graph keeps the torch ops, which inductor fuses."""
+    return _built(_rope, "rope")
+
+
 def layers_here() -> bool:
-    """Whether `dart_lab::q4_layers` (csrc/layers.cpp: an eager step's decoder layers in one op, calling our
-    other kernels from C++) is built here; it needs those kernels' ops loaded first (`fast_llama.decoder_step`
-    asks after them). Asked once a step, so after the first call it is one dict lookup."""
-    if "reason" not in _layers:
-        reason(_layers, "layers", {"avx512f"}, lambda: None)
-    return _layers["reason"] is None
+    """`dart_lab::q4_layers` (csrc/layers.cpp: an eager step's decoder layers in one op, calling our other
+    kernels from C++); it needs those kernels' ops loaded first (`fast_llama.decoder_step` asks after them)."""
+    return _built(_layers, "layers")
 
 
 @contextlib.contextmanager
