@@ -28,11 +28,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import kernels
 from .acceptance import accept, greedy_accept
 from .budget import copy_cap, log_step
 from .config import GenerationConfig
 from .errors import DartLabError
-from .generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator
+from .generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator, top2
 from .target import Target, sync
 from .tree import Tree
 
@@ -202,7 +203,11 @@ class BatchTarget:
             if not (self.lens[b] == P and path == list(range(len(path)))):  # else already in place
                 moves.append((b, [P + i for i in path], self.lens[b]))
             self.lens[b] += len(path)
-        if self.fast and moves:  # every row's moves as one gather (advanced indexing copies) and one write
+        if self.fast and moves and self._k.device.type == "cpu" and kernels.move_slots_here():  # plain copies
+            torch.ops.dart_lab.move_slots(self._k, self._v, [b for b, src, _ in moves for _ in src],
+                                          [i for _, src, _ in moves for i in src],
+                                          [at + j for _, src, at in moves for j in range(len(src))])
+        elif self.fast and moves:  # every row's moves as one gather (advanced indexing copies) and one write
             dev = self.target.device
             row = torch.tensor([b for b, src, _ in moves for _ in src], device=dev)
             src = torch.tensor([i for _, src, _ in moves for i in src], device=dev)
@@ -475,19 +480,8 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         vo = bt.verify([tr for tr, _ in trees], want_aux=want_aux)
         sync(dev)
         tc = time.perf_counter()
-        # 3. accept: each row's longest accepted path + bonus token (greedy: every row's argmax in one op and
-        # one device->host copy, then each row walks its tree)
-        offsets = [0]
-        for tr, _ in trees:
-            offsets.append(offsets[-1] + len(tr))
-        best = vo.flat.max(-1).indices.tolist() if cfg.greedy else None  # argmax's indices, cheaper (acceptance.py)
-        paths = []
-        for i, b in enumerate(live):
-            if best is not None:
-                paths.append(greedy_accept(trees[i][0], best[offsets[i]:offsets[i + 1]]))
-            else:
-                paths.append(accept(trees[i][0], vo.logits[i], cfg, rows[b].gen))
-        margins = _path_margins(vo, [p for p, _ in paths], offsets)
+        # 3. accept: each row's longest accepted path + bonus token, and its nodes' near-tie margins
+        paths, margins = _accept([tr for tr, _ in trees], vo, cfg, [rows[b].gen for b in live])
         # 4. compact each row's cache to its accepted path; hand the accepted states to its drafter
         bt.commit([p for p, _ in paths])
         still = []
@@ -545,16 +539,18 @@ def _draft(rows: list, proposers: list, lens: list[int], max_context: int) -> li
     return trees
 
 
-def _path_margins(vo: BatchOutput, paths: list[list[int]], offsets: list[int]) -> list[list[float]]:
-    """Per row, AR's top-1 minus top-2 logit at each accepted node (the near-tie record of `_margins`),
-    taken for every row's path at once from the flat logits."""
-    idx = [offsets[i] + n for i, p in enumerate(paths) for n in p]
-    flat = _margins(vo.flat[torch.tensor(idx, device=vo.flat.device)])
-    out, k = [], 0
-    for p in paths:
-        out.append(flat[k:k + len(p)])
-        k += len(p)
-    return out
+def _accept(trees: list[Tree], vo: BatchOutput, cfg: GenerationConfig, gens: list) -> tuple[list, list[list[float]]]:
+    """Step 3 for the live rows: every node's argmax and near-tie margin in one pass over the flat logits and
+    one copy to the host (`generate.top2`), then each row's (path, bonus) -- greedy: its longest path of
+    argmaxes, else rejection sampling on its logits with its generator -- and its path's margins."""
+    best, node_margins = top2(vo.flat)
+    paths, margins, at = [], [], 0
+    for tree, logits, gen in zip(trees, vo.logits, gens):
+        n = len(tree)
+        paths.append(greedy_accept(tree, best[at:at + n]) if cfg.greedy else accept(tree, logits, cfg, gen))
+        margins.append([node_margins[at + i] for i in paths[-1][0]])
+        at += n
+    return paths, margins
 
 
 def _advance(row: "_Row", tree: Tree, timing: dict, path: list[int], bonus: int, margins: list[float],

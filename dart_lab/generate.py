@@ -10,11 +10,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import kernels
 from .config import GenerationConfig
 from .errors import DartLabError
 from .target import Target, sync
 from .tree import Tree
-from .acceptance import accept, sample_token, target_probs
+from .acceptance import accept, greedy_accept, sample_token, target_probs
 from .budget import ONE_SEQUENCE, log_step
 
 
@@ -125,8 +126,19 @@ def _first_token(logits_row: torch.Tensor, cfg: GenerationConfig, gen: torch.Gen
 
 def _margins(logits: torch.Tensor) -> list[float]:
     """(k, V) -> top-1 minus top-2 logit of each row."""
-    top = torch.topk(logits.float(), 2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
+    return top2(logits)[1]
+
+
+def top2(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """(k, V) -> each row's argmax (its first maximum, as `greedy_accept` takes it) and its top-1 minus top-2
+    logit (the near-tie record): one pass over fp32 CPU logits with our kernel (`dart_lab::top2`), else torch's
+    max and topk(2)."""
+    if (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.shape[-1] >= 2 and logits.is_contiguous() and kernels.top2_here()):
+        values, index = torch.ops.dart_lab.top2(logits)
+    else:
+        values, index = torch.topk(logits.float(), 2, dim=-1).values, logits.max(-1).indices
+    return index.tolist(), (values[:, 0] - values[:, 1]).tolist()
 
 
 def make_generator(device: torch.device, seed: int) -> torch.Generator:
@@ -188,14 +200,16 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
         # 2. verify: one target forward over the whole tree
         context = target.seq_len
         vo = target.verify(tree, want_aux=drafter.needs_aux)
-        # 3. accept: longest accepted path + bonus token (greedy or rejection sampling)
-        path, bonus = accept(tree, vo.logits, cfg, gen)
+        # 3. accept: longest accepted path + bonus token (greedy or rejection sampling); every node's argmax and
+        # near-tie margin in one pass over the logits
+        best, node_margins = top2(vo.logits)
+        path, bonus = greedy_accept(tree, best) if cfg.greedy else accept(tree, vo.logits, cfg, gen)
         # 4. compact the cache to the accepted path, hand the accepted states to the drafter
         target.commit(path)
         emitted = tree.tokens[path[1:]].tolist() + [bonus]
         ids.extend(emitted)
         new.extend(emitted)
-        margins.extend(_margins(vo.logits[path]))
+        margins.extend(node_margins[i] for i in path)
         drafter.observe(ids, vo.aux[path] if vo.aux is not None else None)
         sync(dev)
         tc = time.perf_counter()

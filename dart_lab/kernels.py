@@ -4,7 +4,8 @@ CPU; ~10-25 s, then cached by torch, one build per torch version), and only on a
 instruction sets it is written for. Users: `q4.py` (a 4-bit weight-only matmul), `attention.py` (a
 decoding step's attention), `fast_llama._rms_norm` (`rms_norm_here`: an eager step's norms),
 `fast_llama.decoder_step` (`rope_cache_here`: an eager step's rotation and K/V cache write; `layers_here`:
-its decoder layers in one op)."""
+its decoder layers in one op), `generate.top2` (`top2_here`: a step's argmax and margins), `batch.BatchTarget.commit`
+(`move_slots_here`: its cache compaction)."""
 from __future__ import annotations
 
 import contextlib
@@ -81,6 +82,16 @@ def rms_norm_here() -> bool:
 def rope_cache_here() -> bool:
     """`dart_lab::rope_cache` (csrc/rope.cpp: a step's rotary embedding and K/V cache write in one op, fp32).
     Eager steps only: a compiled graph keeps the torch ops, which inductor fuses."""
+    return _built(_rope, "rope")
+
+
+def top2_here() -> bool:
+    """`dart_lab::top2` (csrc/norm.cpp: each row's argmax and top-2 margin in one pass over the logits)."""
+    return _built(_norm, "norm")
+
+
+def move_slots_here() -> bool:
+    """`dart_lab::move_slots` (csrc/rope.cpp: a batch step's cache compaction as plain copies)."""
     return _built(_rope, "rope")
 
 

@@ -221,11 +221,12 @@ def test_dart_rows_searched_together_draft_each_rows_own_tree(monkeypatch):
 
 
 def test_a_greedy_batch_step_accepts_and_records_margins_as_each_row_alone():
-    """Step 3 of a greedy batch takes every row's argmax in one op over the flat logits (one copy to the
-    host per step): the same paths, bonus tokens and near-tie margins as `accept` and `_margins` per row."""
-    from dart_lab.acceptance import accept, greedy_accept
-    from dart_lab.batch import BatchOutput, _path_margins
-    from dart_lab.generate import _margins
+    """Step 3 of a batch (`batch._accept`) takes every node's argmax and margin in one op over the flat logits
+    (one copy to the host per step): the same paths, bonus tokens and near-tie margins as `accept` and `_margins`
+    per row, greedy and sampled (the same generator draws)."""
+    from dart_lab.acceptance import accept
+    from dart_lab.batch import BatchOutput, _accept
+    from dart_lab.generate import _margins, make_generator
 
     g = torch.Generator().manual_seed(0)
     trees = [Tree(torch.randint(0, 5, (n,), generator=g), torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g))
@@ -233,9 +234,9 @@ def test_a_greedy_batch_step_accepts_and_records_margins_as_each_row_alone():
              for n in (1, 6, 9)]
     flat = torch.randn(16, 5, generator=g) * 3
     vo = BatchOutput(list(flat.split([1, 6, 9])), flat=flat)
-    offsets, best = [0, 1, 7, 16], flat.argmax(-1).tolist()
-    cfg = GenerationConfig()
-    paths = [greedy_accept(tr, best[offsets[i]:offsets[i + 1]]) for i, tr in enumerate(trees)]
-    assert paths == [accept(tr, lg, cfg, None) for tr, lg in zip(trees, vo.logits)]
-    margins = _path_margins(vo, [p for p, _ in paths], offsets)
-    assert margins == [_margins(lg[p]) for lg, (p, _) in zip(vo.logits, paths)]
+    for cfg in (GenerationConfig(), GenerationConfig(temperature=1.0)):
+        gens = [make_generator(torch.device("cpu"), 7) for _ in trees]
+        paths, margins = _accept(trees, vo, cfg, gens)
+        gens = [make_generator(torch.device("cpu"), 7) for _ in trees]
+        assert paths == [accept(tr, lg, cfg, gen) for tr, lg, gen in zip(trees, vo.logits, gens)]
+        assert margins == [_margins(lg[p]) for lg, (p, _) in zip(vo.logits, paths)]

@@ -580,6 +580,47 @@ def test_rope_cache_op_is_the_torch_ops_it_replaces():
         assert torch.equal(q, qk[:, :H]) and torch.equal(K, K2) and torch.equal(V, V2)
 
 
+def test_top2_op_is_torch_max_and_topk():
+    """`dart_lab::top2` (csrc/norm.cpp): each row's argmax (its first maximum, as torch's max) and two largest
+    values (topk(2)), ties and widths that are not a multiple of 16 included; `generate.top2` agrees with the
+    torch path it replaces."""
+    from dart_lab import kernels
+    from dart_lab.generate import top2
+    if not kernels.top2_here():
+        pytest.skip(f"our norm kernels are not built here: {kernels._norm['reason']}")
+    g = torch.Generator().manual_seed(0)
+    for R, V in ((1, 49152), (8, 4096), (5, 37), (3, 2), (2, 100)):
+        x = torch.randn(R, V, generator=g)
+        x[0, V // 3] = x[0, V - 1] = x[0].max() + 1  # a tie: the first of them, a margin of 0
+        if R > 1:
+            x[1, 0] = float("-inf")
+        values, index = torch.ops.dart_lab.top2(x)
+        assert torch.equal(values, torch.topk(x, 2, -1).values) and torch.equal(index, x.max(-1).indices)
+        best, margins = top2(x)
+        assert best == x.max(-1).indices.tolist() and margins[0] == 0.0
+        with kernels.turned_off("norm"):
+            assert top2(x) == (best, margins)
+
+
+def test_move_slots_op_is_the_indexed_copy():
+    """`dart_lab::move_slots` (csrc/rope.cpp): a batch's cache compaction, bit for bit the advanced-indexing
+    copy `BatchTarget.commit` makes without it (fp32 and bf16 caches; several rows, moves in place skipped)."""
+    from dart_lab import kernels
+    if not kernels.move_slots_here():
+        pytest.skip(f"our rope kernel is not built here: {kernels._rope['reason']}")
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        K, V = (torch.randn(3, 4, 2, 40, 16, generator=g).to(dt) for _ in range(2))
+        rows, src, dst = [0, 0, 2, 3, 3, 3], [30, 33, 20, 31, 34, 36], [20, 21, 20, 10, 11, 12]
+        K2, V2 = K.clone(), V.clone()
+        r, s, d = torch.tensor(rows), torch.tensor(src), torch.tensor(dst)
+        K2[:, r, :, d], V2[:, r, :, d] = K2[:, r, :, s], V2[:, r, :, s]
+        torch.ops.dart_lab.move_slots(K, V, rows, src, dst)
+        assert torch.equal(K, K2) and torch.equal(V, V2)
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            torch.ops.dart_lab.move_slots(K, V, [0], [40], [0])
+
+
 @pytest.mark.parametrize("nodes", [0, 16])  # SDPA for every step; our kernel up to 16 nodes a row
 def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
     """Whichever attention `attention.prepare` picks, the lean runner's tree verifies (one row and a batch)

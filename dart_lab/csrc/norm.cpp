@@ -6,13 +6,18 @@
 // instead of three (chunk, silu, mul) a layer. dart_lab::silu_mul_bf16 -- the same from a bf16 gate|up to a bf16
 // result (a prompt's MLP on bf16 copies of the weights): each block of rows widened exactly, torch's fp32 silu and
 // mul, rounded once as a cast does -- the numbers of .float(), silu_mul, .to(bf16), without the full fp32
-// intermediates (a packed batch of prompts: tens of MB a layer written and read back).
+// intermediates (a packed batch of prompts: tens of MB a layer written and read back). dart_lab::top2 -- each
+// row's largest value, its first index and the second largest value (equal to the largest where it occurs twice)
+// in one pass over the logits: what a greedy step reads of them (argmax and the near-tie margin), where torch's
+// max and topk(2) read the rows twice and topk's selection costs ~3x a max.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <tuple>
 
 namespace {
 
@@ -81,16 +86,65 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   return out;
 }
 
+// one row of V logits -> its largest value, the first position of it and the second largest
+__attribute__((target("avx512f")))
+void top2_row(const float* row, int64_t V, float* values, int64_t* index) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // per lane: the largest value, its first position and the second largest (strict > keeps the first)
+  __m512 m1 = _mm512_set1_ps(ninf), m2 = m1;
+  __m512i i1 = _mm512_set1_epi32(0), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t j = 0; j < V; j += 16) {
+    const __mmask16 m = (__mmask16)(V - j >= 16 ? 0xffff : (1u << (V - j)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(ninf), m, row + j);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, m1, _CMP_GT_OQ);
+    m2 = _mm512_mask_blend_ps(gt, _mm512_max_ps(m2, v), m1);
+    m1 = _mm512_mask_blend_ps(gt, m1, v);
+    i1 = _mm512_mask_blend_epi32(gt, i1, at);
+    at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+  }
+  alignas(64) float a1[16], a2[16];
+  alignas(64) int32_t ai[16];
+  _mm512_store_ps(a1, m1);
+  _mm512_store_ps(a2, m2);
+  _mm512_store_si512(ai, i1);
+  int best = 0;
+  for (int l = 1; l < 16; ++l)
+    if (a1[l] > a1[best] || (a1[l] == a1[best] && ai[l] < ai[best])) best = l;
+  float second = ninf;
+  for (int l = 0; l < 16; ++l) second = std::max(second, l == best ? a2[l] : a1[l]);
+  values[0] = a1[best];
+  values[1] = second;
+  *index = ai[best];
+}
+
+// x (R, V) fp32 -> values (R, 2): largest and second largest; index (R,): the first position of the largest
+std::tuple<at::Tensor, at::Tensor> top2(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu() &&
+              x.size(1) >= 2, "top2: x must be a contiguous (R, V) float32 CPU tensor with V >= 2");
+  const int64_t R = x.size(0), V = x.size(1);
+  auto values = at::empty({R, 2}, x.options());
+  auto index = at::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) top2_row(xp + r * V, V, vp + 2 * r, ip + r);
+  });
+  return {values, index};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def("top2(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
+  m.impl("top2", &top2);
 }
