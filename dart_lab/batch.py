@@ -30,7 +30,7 @@ import torch
 
 from . import kernels
 from .acceptance import accept, greedy_accept
-from .budget import copy_cap, log_step
+from .budget import copy_cap, interpolate, log_step
 from .config import GenerationConfig
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator, top2
@@ -361,14 +361,15 @@ class _Chain(Drafter):
         return Tree.from_paths(ids[-1], [self.chain]) if self.chain else Tree.single(ids[-1])
 
 
-def _copy_step(rows: list, curve: dict[int, float]) -> list[Drafter]:
+def _copy_step(rows: list, curve: dict[int, float], row_token_ms: float | None = None) -> list[Drafter]:
     """Theta 0 (no tree pays at this many rows): each row offers the chain its drafter would verify
     without a tree (`Drafter.copy_offer`: dart-ctx's copy, else none) and one cap is chosen for the step
-    (`budget.copy_cap` on the batch's curve): every row's tree is padded to the step's widest, so a copy
-    runs only where the batch as a whole gains tokens per ms. Cap 0 = a batched AR step."""
+    (`budget.copy_cap` on the batch's curve; row_token_ms: what a token one row gains saves in a static
+    batch, None where waiting prompts take finished rows' places): every row's tree is padded to the step's
+    widest, so a copy runs only where the batch as a whole gains. Cap 0 = a batched AR step."""
     t0 = time.perf_counter()
     offers = [row.drafter.copy_offer(row.ids) for row in rows]
-    cap = copy_cap(offers, curve)
+    cap = copy_cap(offers, curve, row_token_ms)
     ms = (time.perf_counter() - t0) * 1e3 / len(rows)
     return [_Chain(list(chain[:cap]), ms) for chain, _ in offers]
 
@@ -470,8 +471,13 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
                         rows[b].drafter.set_budget(theta)
         # 1. draft: each live row proposes its tree (rooted at its last token)
         ta = time.perf_counter()
-        proposers = ([rows[b].drafter for b in live] if policy is None or theta
-                     else _copy_step([rows[b] for b in live], curve))
+        if policy is None or theta:
+            proposers = [rows[b].drafter for b in live]
+        else:  # a static batch of several rows (no prompt waiting for a place): a row's token saves what the row
+            # costs a step, t(B, 1) - t(B - 1, 1)
+            row_ms = (interpolate(curve, 1) - interpolate(policy(len(live) - 1)[1], 1)
+                      if len(live) > 1 and not waiting else None)
+            proposers = _copy_step([rows[b] for b in live], curve, row_ms)
         trees = _draft([rows[b] for b in live], proposers, bt.lens, target.max_context)
         sync(dev)
         tb = time.perf_counter()

@@ -504,6 +504,11 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     fused = (not qk_norm and not causal and x.dtype == torch.float32 and x.device.type == "cpu"
              and rows_cos.dtype == torch.float32 and rows_cos.is_contiguous() and rows_sin.is_contiguous()
              and not torch.compiler.is_compiling() and kernels.rope_cache_here())
+    # a prompt's rotation as one op too (csrc/rope.cpp: q, k rotated and v transposed, the same numbers), its own
+    # K/V then written to the cache and attended over below
+    prompt_rope = (not qk_norm and causal and x.dtype == torch.float32 and x.device.type == "cpu"
+                   and rows_cos.dtype == torch.float32 and rows_cos.is_contiguous() and rows_sin.is_contiguous()
+                   and not torch.compiler.is_compiling() and kernels.rope_cache_here())
     fused_mlp = (x.device.type == "cpu" and getattr(model.config, "hidden_act", None) in ("silu", "swish")
                  and not torch.compiler.is_compiling() and kernels.rms_norm_here())
     mlp_bf16 = _bf16_mlp(projs, B * N) if fused_mlp else None
@@ -524,22 +529,24 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         if fused and heads.is_contiguous():
             q = torch.ops.dart_lab.rope_cache(heads, rows_cos, rows_sin, K, V, slots, nh, nkv)
         else:
-            v = heads[:, :, nh + nkv:]
-            if qk_norm:
+            if prompt_rope and heads.is_contiguous():  # vt: v as (B, kv heads, N, hd)
+                q, k, vt = torch.ops.dart_lab.rope_heads(heads, rows_cos, rows_sin, nh, nkv)
+            elif qk_norm:
                 q, k = _rms_norm(att.q_norm, heads[:, :, :nh]), _rms_norm(att.k_norm, heads[:, :, nh:nh + nkv])
                 q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+                vt = heads[:, :, nh + nkv:].transpose(1, 2)
             else:  # q and k side by side in the projection's output: rotated in one pass
                 qk = _rotate(heads[:, :, :nh + nkv].transpose(1, 2), cos, sin)
-                q, k = qk[:, :nh], qk[:, nh:]
+                q, k, vt = qk[:, :nh], qk[:, nh:], heads[:, :, nh + nkv:].transpose(1, 2)
             if segments is None:
                 K.index_copy_(2, slots, k.to(K.dtype))
-                V.index_copy_(2, slots, v.transpose(1, 2).to(V.dtype))
+                V.index_copy_(2, slots, vt.to(V.dtype))
             else:  # prompt r into cache row r (copy_ rounds to the cache's dtype as .to does)
                 for r, (s, e) in enumerate(segments):
                     K[r, :, :e - s].copy_(k[0, :, s:e])
-                    V[r, :, :e - s].copy_(v[0, s:e].transpose(0, 1))
+                    V[r, :, :e - s].copy_(vt[0, :, s:e])
         if causal:  # a prompt into an empty cache: its own K/V are every key, taken before the cache's rounding
-            qa, ka, va = q.to(attention_dtype), k.to(attention_dtype), v.transpose(1, 2).to(attention_dtype)
+            qa, ka, va = q.to(attention_dtype), k.to(attention_dtype), vt.to(attention_dtype)
             if segments is None:
                 o = attend(qa, ka, va, None, n_keys, scaling, causal).transpose(1, 2)
             else:  # each prompt's heads written straight into the (1, N, heads, hd) the o projection reads

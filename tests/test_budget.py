@@ -523,6 +523,26 @@ def test_copy_cap_prices_the_rows_copies_against_the_steps_width():
     assert 0 < cap < 5 and rate[cap] == max(rate.values())
 
 
+def test_copy_cap_in_a_static_batch_prices_a_rows_token_at_what_the_row_costs_a_step():
+    """`copy_cap(..., row_token_ms=m)` (a static batch: it lasts as long as its longest row, so a token one row
+    gains saves m, the row's share of a step's cost): the cap saves the most ms this step,
+    sum_b (E_b - 1) m - (t(L + 1) - t(1)); a row cost as dear as the whole step takes the copies the rate rule
+    takes where nodes are free, a small one takes none where a node costs more than the expected tokens save,
+    and the cap moves with m."""
+    from dart_lab.budget import copy_cap, expected_copy_tokens
+
+    offers = [([4, 5, 6, 7, 8], 0.8), ([], 0.0), ([9, 10], 0.5)]
+    flat = {n: 10.0 for n in (1, 2, 4, 8, 16)}
+    assert copy_cap(offers, flat, row_token_ms=10.0) == copy_cap(offers, flat) == 5
+    mid = {1: 10.0, 2: 11.0, 4: 14.0, 8: 30.0, 16: 60.0}
+    for m in (0.5, 2.0, 6.0):
+        saved = {L: sum(expected_copy_tokens(p, min(len(c), L)) - 1 for c, p in offers) * m
+                 - (interpolate(mid, L + 1) - mid[1]) for L in range(6)}
+        cap = copy_cap(offers, mid, row_token_ms=m)
+        assert saved[cap] == max(saved.values()) and (cap == 0) == (max(saved.values()) <= 0)
+    assert copy_cap(offers, mid, row_token_ms=0.5) == 0 < copy_cap(offers, mid, row_token_ms=6.0)
+
+
 @pytest.mark.parametrize("nodes", ["free", "dear"])
 def test_a_batch_without_trees_verifies_copies_only_where_the_batch_gains(monkeypatch, nodes):
     """dart-ctx at theta 0 in a batch (no tree pays): each step verifies the rows' copy chains cut to one

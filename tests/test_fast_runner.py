@@ -580,6 +580,23 @@ def test_rope_cache_op_is_the_torch_ops_it_replaces():
         assert torch.equal(q, qk[:, :H]) and torch.equal(K, K2) and torch.equal(V, V2)
 
 
+def test_rope_heads_op_is_the_torch_ops_it_replaces():
+    """`dart_lab::rope_heads` (csrc/rope.cpp): a prompt's q and k rotated and v transposed, bit for bit what the
+    torch ops compute (`_rotate` over the transposed heads), one row and several, head sizes of 64 and 40."""
+    from dart_lab import kernels
+    from dart_lab.fast_llama import _rotate
+    if not kernels.rope_cache_here():
+        pytest.skip(f"our rope kernel is not built here: {kernels._rope['reason']}")
+    g = torch.Generator().manual_seed(0)
+    for B, N, H, Hk, D in ((1, 37, 9, 3, 64), (2, 5, 4, 2, 40)):
+        heads = torch.randn(B, N, H + 2 * Hk, D, generator=g)
+        cos, sin = torch.randn(B, N, D, generator=g), torch.randn(B, N, D, generator=g)
+        qk = _rotate(heads[:, :, :H + Hk].transpose(1, 2), cos[:, None], sin[:, None])
+        q, k, v = torch.ops.dart_lab.rope_heads(heads, cos, sin, H, Hk)
+        assert torch.equal(q, qk[:, :H]) and torch.equal(k, qk[:, H:])
+        assert torch.equal(v, heads[:, :, H + Hk:].transpose(1, 2)) and v.is_contiguous()
+
+
 def test_top2_op_is_torch_max_and_topk():
     """`dart_lab::top2` (csrc/norm.cpp): each row's argmax (its first maximum, as torch's max) and two largest
     values (topk(2)), ties and widths that are not a multiple of 16 included; `generate.top2` agrees with the

@@ -10,17 +10,23 @@
 // even, as a cast does) and returns q rotated, (B, H, N, D) contiguous.
 // rotate(x) = x cos + [-x2, x1] sin (x1, x2 the halves of x), each product and the sum rounded separately --
 // the arithmetic of the torch ops it replaces, bit for bit (no fused multiply-add: fp-contract off).
+// dart_lab::rope_heads -- a prompt's rotary embedding (the K/V it attends over are its own, taken before the
+// cache's rounding): heads as above -> q (B, H, N, D) and k (B, Hk, N, D) rotated, v (B, Hk, N, D), fp32 contiguous,
+// the positions split over the threads; the rotation and transposes of the torch ops it replaces, bit for bit
+// (their five passes over a prompt's q and k a layer are a tenth of a packed batch's prefill).
 // dart_lab::move_slots -- a batch step's cache compaction: every layer's K and V of row rows[j] at slot src[j]
 // copied to slot dst[j], in order (what `K[:, rows, :, dst] = K[:, rows, :, src]` does, without its gather's
 // index tensors and temporary: a few hundred bytes a move, where the indexing costs ~0.2 ms a step).
 #pragma GCC optimize("fp-contract=off")
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -107,6 +113,43 @@ at::Tensor rope_cache(const at::Tensor& heads, const at::Tensor& cos, const at::
   return q;
 }
 
+// positions p0..p1 of the B * N a prompt's heads hold
+__attribute__((target("avx512f")))
+void rope_heads_range(const float* hp, const float* cp, const float* snp, float* qp, float* kp, float* vp, int64_t N,
+                      int64_t H, int64_t Hk, int64_t D, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t b = p / N, n = p % N;
+    const float* row = hp + p * (H + 2 * Hk) * D;
+    const float* c = cp + p * D;
+    const float* s = snp + p * D;
+    for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, qp + ((b * H + h) * N + n) * D, D);
+    for (int64_t g = 0; g < Hk; ++g) {
+      rotate(row + (H + g) * D, c, s, kp + ((b * Hk + g) * N + n) * D, D);
+      std::copy(row + (H + Hk + g) * D, row + (H + Hk + g + 1) * D, vp + ((b * Hk + g) * N + n) * D);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_heads(const at::Tensor& heads, const at::Tensor& cos,
+                                                          const at::Tensor& sin, int64_t H, int64_t Hk) {
+  TORCH_CHECK(heads.dim() == 4 && heads.scalar_type() == at::kFloat && heads.is_contiguous() && heads.device().is_cpu(),
+              "rope_heads: heads must be a contiguous (B, N, H + 2 Hk, D) float32 CPU tensor");
+  const int64_t B = heads.size(0), N = heads.size(1), D = heads.size(3);
+  TORCH_CHECK(heads.size(2) == H + 2 * Hk && D % 2 == 0, "rope_heads: heads must hold H + 2 Hk heads of even size");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == B &&
+              cos.size(1) == N && cos.size(2) == D, "rope_heads: cos and sin must be contiguous (B, N, D) float32");
+  auto q = at::empty({B, H, N, D}, heads.options());
+  auto k = at::empty({B, Hk, N, D}, heads.options());
+  auto v = at::empty({B, Hk, N, D}, heads.options());
+  const float *hp = heads.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  at::parallel_for(0, B * N, 16, [&](int64_t p0, int64_t p1) {
+    rope_heads_range(hp, cp, snp, qp, kp, vp, N, H, Hk, D, p0, p1);
+  });
+  return {q, k, v};
+}
+
 // K, V (L, B, Hk, capacity, D) of one dtype, D contiguous; each move reads a slot no earlier move wrote (a
 // compaction moves accepted nodes down to the row's end, src >= dst, in order)
 void move_slots(at::Tensor K, at::Tensor V, at::IntArrayRef rows, at::IntArrayRef src, at::IntArrayRef dst) {
@@ -136,10 +179,12 @@ void move_slots(at::Tensor K, at::Tensor V, at::IntArrayRef rows, at::IntArrayRe
 
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
   m.def("rope_cache(Tensor heads, Tensor cos, Tensor sin, Tensor(a!) K, Tensor(b!) V, Tensor slots, int H, int Hk) -> Tensor");
+  m.def("rope_heads(Tensor heads, Tensor cos, Tensor sin, int H, int Hk) -> (Tensor, Tensor, Tensor)");
   m.def("move_slots(Tensor(a!) K, Tensor(b!) V, int[] rows, int[] src, int[] dst) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
   m.impl("rope_cache", &rope_cache);
+  m.impl("rope_heads", &rope_heads);
   m.impl("move_slots", &move_slots);
 }
