@@ -210,7 +210,7 @@ def propose_rows(drafters: list[DartDrafter], ids: list[list[int]], logits: list
 
 def copy_match(ids: list[int], max_ngram: int, length: int, periodic: bool = False) -> tuple[list[int], int]:
     """Prompt lookup: the `length` tokens that followed the most recent earlier occurrence of the last
-    n tokens of `ids` (n = max_ngram..1, longest match first), and n; ([], 0) if none.
+    n tokens of `ids` (a list, or an int64 array) (n = max_ngram..1, longest match first), and n; ([], 0) if none.
     periodic: when that occurrence ends d < length tokens before the end (text repeating itself with
     period d, as small targets do at T=0), the copy goes on past the end of `ids` as the same period
     would (token k = ids[e + 1 + k mod d]) instead of stopping after d tokens.

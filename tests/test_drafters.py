@@ -403,6 +403,28 @@ def test_copy_match_reliability_is_learned_across_requests():
         assert d.copy_prob(1) == pytest.approx(p1) and d.copy_prob(8) == pytest.approx(p8)
 
 
+def test_copy_offers_from_the_held_array_equal_the_lookup_on_the_list():
+    """dart-ctx keeps its request's token list as an array grown step by step (`_as_array`): every offer equals
+    `copy_match` on the list itself, while the list grows, for another list (a branch's ids + [t]), after the
+    list was rewritten, and for the next request's list."""
+    target = tiny_target("llama")
+    g = torch.Generator().manual_seed(3)
+    d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16), ContextConfig(w_context=0.0))
+    c = d.ctx
+    for request in range(2):
+        ids = torch.randint(2, 9, (12,), generator=g).tolist()
+        d.begin_copies(ids)
+        for step in range(60):
+            for probe in (ids, ids + [5]):
+                got = d.copy_candidate(probe)
+                want = copy_match(probe, c.copy_max_ngram, c.copy_len, c.copy_periodic)
+                assert got[0] == want[0][:len(got[0])] and got[1] == want[1]
+                assert d._as_array(probe).tolist() == probe
+            ids.extend(torch.randint(2, 9, (1 + step % 3,), generator=g).tolist())
+            if step == 30:
+                ids[-2:] = [7, 7]  # earlier tokens rewritten in place: held again from the start
+
+
 def test_copy_only_steps_skip_the_head_stay_lossless_and_the_head_catches_up():
     """dart-ctx verifies the copy chain alone when the cost model says that is the faster step; the
     skipped positions reach the head at its next forward (its cache = one forward from scratch)."""
