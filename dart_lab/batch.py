@@ -30,7 +30,7 @@ import torch
 
 from . import kernels
 from .acceptance import accept, greedy_accept
-from .budget import copy_cap, interpolate, log_step
+from .budget import copy_cap, log_step
 from .config import GenerationConfig
 from .errors import DartLabError
 from .generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator, top2
@@ -361,28 +361,14 @@ class _Chain(Drafter):
         return Tree.from_paths(ids[-1], [self.chain]) if self.chain else Tree.single(ids[-1])
 
 
-def _row_token_ms(left: list[int], curve: dict[int, float], curve_less: dict[int, float]) -> list[float]:
-    """What a token gained by each row of a static batch saves, in ms (`budget.copy_cap`): the batch's step costs
-    t(B, 1) = fixed + B m (m = t(B, 1) - t(B - 1, 1): one row's own cost, from the surface at B and B - 1 rows)
-    and the batch lasts as long as its longest row, so a row's token saves m, and for the rows with the most
-    tokens `left` to their end -- the ones the batch waits for -- also their share of the fixed cost (with every
-    row there, each token saves t(B, 1) / B: the rate rule's price)."""
-    t1 = interpolate(curve, 1)
-    m = max(t1 - interpolate(curve_less, 1), 0.0)
-    last = [n == max(left) for n in left]
-    fixed = max(t1 - len(left) * m, 0.0) / sum(last)
-    return [m + (fixed if x else 0.0) for x in last]
-
-
-def _copy_step(rows: list, curve: dict[int, float], row_token_ms: list[float] | None = None) -> list[Drafter]:
+def _copy_step(rows: list, curve: dict[int, float]) -> list[Drafter]:
     """Theta 0 (no tree pays at this many rows): each row offers the chain its drafter would verify
     without a tree (`Drafter.copy_offer`: dart-ctx's copy, else none) and one cap is chosen for the step
-    (`budget.copy_cap` on the batch's curve; row_token_ms: what a token each row gains saves in a static
-    batch, `_row_token_ms`; None where waiting prompts take finished rows' places): every row's tree is padded
-    to the step's widest, so a copy runs only where the batch as a whole gains. Cap 0 = a batched AR step."""
+    (`budget.copy_cap` on the batch's curve): every row's tree is padded to the step's widest, so a copy
+    runs only where the batch as a whole gains tokens per ms. Cap 0 = a batched AR step."""
     t0 = time.perf_counter()
     offers = [row.drafter.copy_offer(row.ids) for row in rows]
-    cap = copy_cap(offers, curve, row_token_ms)
+    cap = copy_cap(offers, curve)
     ms = (time.perf_counter() - t0) * 1e3 / len(rows)
     return [_Chain(list(chain[:cap]), ms) for chain, _ in offers]
 
@@ -484,12 +470,8 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
                         rows[b].drafter.set_budget(theta)
         # 1. draft: each live row proposes its tree (rooted at its last token)
         ta = time.perf_counter()
-        if policy is None or theta:
-            proposers = [rows[b].drafter for b in live]
-        else:  # a static batch of several rows (no prompt waiting for a place) prices each row's tokens apart
-            row_ms = (_row_token_ms([cfg.max_new_tokens - len(rows[b].new) for b in live], curve,
-                                    policy(len(live) - 1)[1]) if len(live) > 1 and not waiting else None)
-            proposers = _copy_step([rows[b] for b in live], curve, row_ms)
+        proposers = ([rows[b].drafter for b in live] if policy is None or theta
+                     else _copy_step([rows[b] for b in live], curve))
         trees = _draft([rows[b] for b in live], proposers, bt.lens, target.max_context)
         sync(dev)
         tb = time.perf_counter()

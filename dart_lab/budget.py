@@ -305,43 +305,28 @@ def expected_copy_tokens(p: float, L: int) -> float:
     return 1.0 + sum(float(p) ** i for i in range(1, L + 1))
 
 
-def copy_cap(offers: list[tuple[list[int], float]], verify_ms: dict[int, float],
-             row_token_ms: list[float] | None = None) -> int:
+def copy_cap(offers: list[tuple[list[int], float]], verify_ms: dict[int, float]) -> int:
     """A step without a tree (theta 0) that may still verify copies: how many tokens of each row's copy
-    chain to verify. Every row's chain is cut to one cap L (the rows of a batch share the step's width).
+    chain to verify. Every row's chain is cut to one cap L (the rows of a batch share the step's width),
+    chosen for the most expected tokens per ms,
+        sum_b E(p_b, min(L_b, L)) / t(L + 1)      (L = 0: a plain AR step for every row),
     offers: per row (chain, p = the chance each copy token is kept); verify_ms: the step's cost by nodes
-    per row (the batch's curve at this many rows; one row: the batch-1 curve).
-    row_token_ms None: the most expected tokens per ms (one sequence, or a batch whose rows' places go to
-    waiting prompts: every token any row gains shortens the run),
-        sum_b E(p_b, min(L_b, L)) / t(L + 1)      (L = 0: a plain AR step for every row).
-    row_token_ms = [v_b]: a static batch, which lasts as long as its longest row, so a token row b gains saves
-    v_b ms (`batch._row_token_ms`: the row's own cost a step, plus a share of the step's fixed cost for the rows
-    furthest from their end); the most ms saved this step,
-        sum_b (E(p_b, min(L_b, L)) - 1) v_b - (t(L + 1) - t(1))."""
+    per row (the batch's curve at this many rows; one row: the batch-1 curve)."""
     widest = max((len(c) for c, _ in offers), default=0)
-    weights = [1.0] * len(offers) if row_token_ms is None else row_token_ms
-    # gained[L]: sum_b w_b (E(p_b, min(L_b, L)) - 1), each row's terms p_b^i added once (a step prices every cap)
+    # gained[L]: sum_b (E(p_b, min(L_b, L)) - 1), each row's terms p_b^i added once (a step prices every cap)
     gained = [0.0] * (widest + 1)
-    for (chain, p), w in zip(offers, weights):
+    for chain, p in offers:
         term, acc = 1.0, 0.0
         for L in range(1, widest + 1):
             if L <= len(chain):
                 term *= float(p)
-                acc += term * w
+                acc += term
             gained[L] += acc
-    t1 = interpolate(verify_ms, 1)
-    if row_token_ms is None:
-        best, best_rate = 0, len(offers) / t1
-        for L in range(1, widest + 1):
-            rate = (len(offers) + gained[L]) / interpolate(verify_ms, L + 1)
-            if rate > best_rate:
-                best, best_rate = L, rate
-        return best
-    best, best_saved = 0, 0.0
+    best, best_rate = 0, len(offers) / interpolate(verify_ms, 1)
     for L in range(1, widest + 1):
-        saved = gained[L] - (interpolate(verify_ms, L + 1) - t1)
-        if saved > best_saved:
-            best, best_saved = L, saved
+        rate = (len(offers) + gained[L]) / interpolate(verify_ms, L + 1)
+        if rate > best_rate:
+            best, best_rate = L, rate
     return best
 
 

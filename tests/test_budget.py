@@ -523,30 +523,6 @@ def test_copy_cap_prices_the_rows_copies_against_the_steps_width():
     assert 0 < cap < 5 and rate[cap] == max(rate.values())
 
 
-def test_copy_cap_in_a_static_batch_prices_each_rows_tokens_at_what_they_save():
-    """`copy_cap(..., row_token_ms=[v_b])` (a static batch, `batch._row_token_ms`): the cap saves the most ms this
-    step, sum_b (E_b - 1) v_b - (t(L + 1) - t(1)); every row priced at t(B, 1) / B takes the copies the rate rule
-    takes where nodes are free; cheap rows take none where a node costs more than their tokens save, and a row
-    the batch waits for is priced higher. `_row_token_ms`: m = t(B, 1) - t(B - 1, 1) for every row, and the
-    fixed rest of the step shared by the rows with the most tokens left (all of them: t(B, 1) / B each)."""
-    from dart_lab.batch import _row_token_ms
-    from dart_lab.budget import copy_cap, expected_copy_tokens
-
-    offers = [([4, 5, 6, 7, 8], 0.8), ([], 0.0), ([9, 10], 0.5)]
-    flat = {n: 10.0 for n in (1, 2, 4, 8, 16)}
-    assert copy_cap(offers, flat, row_token_ms=[10 / 3] * 3) == copy_cap(offers, flat) == 5
-    mid = {1: 10.0, 2: 11.0, 4: 14.0, 8: 30.0, 16: 60.0}
-    for v in ([0.5, 0.5, 0.5], [2.0, 9.0, 2.0], [6.0, 6.0, 6.0]):
-        saved = {L: sum((expected_copy_tokens(p, min(len(c), L)) - 1) * x for (c, p), x in zip(offers, v))
-                 - (interpolate(mid, L + 1) - mid[1]) for L in range(6)}
-        cap = copy_cap(offers, mid, row_token_ms=v)
-        assert saved[cap] == max(saved.values()) and (cap == 0) == (max(saved.values()) <= 0)
-    assert copy_cap(offers, mid, row_token_ms=[0.5] * 3) == 0 < copy_cap(offers, mid, row_token_ms=[6.0, 0.5, 0.5])
-    at3, at2 = {1: 12.0, 2: 15.0}, {1: 11.0, 2: 13.0}  # t(3, 1) = 12 = 9 fixed + 3 x 1
-    assert _row_token_ms([50, 50, 50], at3, at2) == [4.0, 4.0, 4.0]
-    assert _row_token_ms([50, 40, 50], at3, at2) == [5.5, 1.0, 5.5]
-
-
 @pytest.mark.parametrize("nodes", ["free", "dear"])
 def test_a_batch_without_trees_verifies_copies_only_where_the_batch_gains(monkeypatch, nodes):
     """dart-ctx at theta 0 in a batch (no tree pays): each step verifies the rows' copy chains cut to one

@@ -1,18 +1,14 @@
 """Which batch-policy setting decodes a batch faster? Runners of one target alternate per group of prompts
 (order rotated each group), each side a method with optional `BudgetConfig` fields set on its controller
-(`dart:batch_resume_gain=1.0`), or `!rate`: a static batch's copy steps priced as if every token any row
-gains shortened the run (`budget.copy_cap` without `row_token_ms`, as with prompts waiting) -- `dart-ctx!rate`;
-tokens/s over all groups, and x the first side.
+(`dart:batch_resume_gain=1.0`); tokens/s over all groups, and x the first side.
 
     python experiments/engine/batch_policy_ab.py --rows 8 --prompts 16 --rounds 2 \\
         --sides ar dart dart:batch_resume_gain=1.0
-    python experiments/engine/batch_policy_ab.py --rows 8 --sides ar dart dart-ctx dart-ctx!rate
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import sys
 from pathlib import Path
 
@@ -22,17 +18,9 @@ from dart_lab.data import load_prompts  # noqa: E402
 from dart_lab.loading import load_target  # noqa: E402
 from dart_lab.methods import make_runner  # noqa: E402
 
-batch = importlib.import_module("dart_lab.batch")
-copy_step = batch._copy_step
-
-
-def rate_copy_step(rows, curve, row_token_ms=None):
-    """`batch._copy_step` pricing a static batch's copies by the rate rule (row_token_ms dropped)."""
-    return copy_step(rows, curve)
-
 
 def side(target, spec: str):
-    method, _, sets = spec.split("!")[0].partition(":")
+    method, _, sets = spec.partition(":")
     runner = make_runner(method, target)
     if sets:
         fields = {k: float(v) for k, v in (kv.split("=") for kv in sets.split(","))}
@@ -61,7 +49,6 @@ def main(argv=None) -> int:
             order = args.sides[k % len(args.sides):] + args.sides[:k % len(args.sides)]
             k += 1
             for s in order:
-                batch._copy_step = rate_copy_step if s.endswith("!rate") else copy_step
                 res = runners[s].generate_batch(g, cfg)
                 tokens[s] += sum(len(r.tokens) for r in res.rows)
                 secs[s] += res.wall_s
