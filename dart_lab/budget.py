@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import kernels, q4
@@ -300,20 +299,10 @@ def interpolate(curve: dict[int, float], n: int) -> float:
     return curve[xs[-1]] * n / xs[-1]  # beyond the widest measured tree: grow proportionally
 
 
-def expected_copy_tokens(p, L: int) -> float:
-    """Tokens a step verifying a copy chain of L tokens alone emits on average: 1 (the bonus) + p_1 + p_1 p_2 +
-    ... + p_1 ... p_L, p_i the chance copy token i is kept given the ones before it (p: one number for every
-    token, or each token's: dart-ctx learns a copy's first token apart)."""
-    total, path = 1.0, 1.0
-    for i in range(L):
-        path *= _level(p, i)
-        total += path
-    return total
-
-
-def _level(p, i: int) -> float:
-    """p_(i+1) of `expected_copy_tokens`' p."""
-    return float(p) if np.ndim(p) == 0 else float(p[i])
+def expected_copy_tokens(p: float, L: int) -> float:
+    """Tokens a step verifying a copy chain of L tokens alone emits on average, each copy token kept
+    with probability p given its predecessors: 1 (the bonus) + p + p^2 + ... + p^L."""
+    return 1.0 + sum(float(p) ** i for i in range(1, L + 1))
 
 
 def copy_cap(offers: list[tuple[list[int], float]], verify_ms: dict[int, float]) -> int:
@@ -330,7 +319,7 @@ def copy_cap(offers: list[tuple[list[int], float]], verify_ms: dict[int, float])
         term, acc = 1.0, 0.0
         for L in range(1, widest + 1):
             if L <= len(chain):
-                term *= _level(p, L - 1)
+                term *= float(p)
                 acc += term
             gained[L] += acc
     best, best_rate = 0, len(offers) / interpolate(verify_ms, 1)

@@ -70,14 +70,7 @@ class ContextConfig:
         over its tree steps (prior: the runner's calibration figure, worth one step).
         The head catches up on the skipped positions at its next forward (HeadDrafter.observe).
         When no tree beats AR at all (the budget's fallback), `CopyOrAR` prices the copy against a
-        one-token step instead.
-    copy_first_apart: a copy's first token gets its own rate p_1 (its own trials, the same priors), the
-        later tokens p (each given the one before kept), so E_copy = 1 + p_1 (1 + p + ... + p^(L-1)) and
-        the first copy node scores log p_1. Why: the first token is where a copy is unsure; once it holds
-        the text goes on (the target's greedy answers, 8 HumanEval + 8 MT-bench prompts, first vs later vs
-        one rate: two-token matches 0.47 vs 0.67-0.92 vs 0.58, four+ 0.77 vs 0.88-0.97 vs 0.90), so one rate
-        prices a one-token copy high and a long one low (seen: batched copy steps at cap 1 emitting fewer
-        tokens than priced)."""
+        one-token step instead."""
 
     w_context: float = 0.5
     copy: bool = True
@@ -92,7 +85,6 @@ class ContextConfig:
     copy_branches: int = 0
     copy_only: bool = True
     copy_gain_prior_steps: float = 2.0
-    copy_first_apart: bool = True
 
 
 class MixedNGram:
@@ -126,7 +118,6 @@ class ContextDrafter(DartDrafter):
         self.cost_model = None  # (verify_ms, overhead_ms, tau) from an automatic budget (set_cost_model)
         b = max(1, ctx.copy_match_buckets)
         self.hist_kept, self.hist_trials = np.zeros(b), np.zeros(b)  # over earlier requests (copy_history)
-        self.hist_first = np.zeros((2, b))  # of those, the copies' first tokens: kept, tried
         self.copy_trials = None  # per request, from begin()
 
     def begin(self, target, ids, aux):
@@ -144,7 +135,6 @@ class ContextDrafter(DartDrafter):
         self._remember()
         b = max(1, self.ctx.copy_match_buckets)
         self.copy_kept, self.copy_trials = np.zeros(b), np.zeros(b)  # copy tokens kept / tried, per match length
-        self.copy_first = np.zeros((2, b))  # of those, the copies' first tokens: kept, tried
         self.last_copies = []  # (len(ids) at the proposal, head token before it ([] or [t]), copy chain, match bucket)
         self._ids_src = None  # the request's token list, held as an array by `_as_array`
 
@@ -171,7 +161,6 @@ class ContextDrafter(DartDrafter):
                 k += 1
             self.copy_kept[bucket] += k
             self.copy_trials[bucket] += n
-            self.copy_first[:, bucket] += (k > 0, n > 0)
             if not prefix:
                 kept = k
         self.last_copies = []
@@ -185,7 +174,7 @@ class ContextDrafter(DartDrafter):
         dart-ctx still verifies a copy where it beats a one-token step (`CopyOrAR`)."""
         return CopyOrAR(self, verify_ms) if self.ctx.copy else None
 
-    def copy_only_pays(self, L: int, p) -> bool:
+    def copy_only_pays(self, L: int, p: float) -> bool:
         """ContextConfig.copy_only: is verifying the copy chain alone the faster step?"""
         if not self.ctx.copy_only or self.cost_model is None or not self.search.max_nodes:
             return False
@@ -206,51 +195,38 @@ class ContextDrafter(DartDrafter):
             return
         self.hist_kept += self.copy_kept
         self.hist_trials += self.copy_trials
-        self.hist_first += self.copy_first
         total = self.hist_trials.sum()
         if total > self.ctx.copy_history:
             keep = self.ctx.copy_history / total
             self.hist_kept *= keep
             self.hist_trials *= keep
-            self.hist_first *= keep
 
-    def copy_prob(self, match_len: int | None = None, first: bool = False) -> float:
+    def copy_prob(self, match_len: int | None = None) -> float:
         """p: the estimated chance that the target keeps the next copy token of a copy found by a
-        suffix match of `match_len` tokens (None: pooled over all matches) (ContextConfig); with
-        `copy_first_apart`, of a copy's first token (first=True) or of a later one given the one before
-        kept, each from its own trials."""
+        suffix match of `match_len` tokens (None: pooled over all matches) (ContextConfig)."""
         c = self.ctx
-        kept, trials, hist_kept, hist_trials = self.copy_kept, self.copy_trials, self.hist_kept, self.hist_trials
-        if c.copy_first_apart:
-            f, hf = self.copy_first, self.hist_first
-            kept, trials, hist_kept, hist_trials = ((f[0], f[1], hf[0], hf[1]) if first else
-                                                    (kept - f[0], trials - f[1], hist_kept - hf[0], hist_trials - hf[1]))
         w = c.copy_prior_weight
-        hist = (w * c.copy_p + hist_kept.sum()) / (w + hist_trials.sum())  # earlier requests, pooled
-        pooled = (w * hist + kept.sum()) / (w + trials.sum())
-        if match_len is None or kept.size == 1:
+        hist = (w * c.copy_p + self.hist_kept.sum()) / (w + self.hist_trials.sum())  # earlier requests, pooled
+        pooled = (w * hist + self.copy_kept.sum()) / (w + self.copy_trials.sum())
+        if match_len is None or self.copy_kept.size == 1:
             return float(pooled)
         b = self.match_bucket(match_len)
-        rel = (w * hist + hist_kept[b]) / (w + hist_trials[b]) / hist  # the bucket's reliability
+        rel = (w * hist + self.hist_kept[b]) / (w + self.hist_trials[b]) / hist  # the bucket's reliability
         prior = min(pooled * rel, 0.99)
-        return float((w * prior + kept[b]) / (w + trials[b]))
+        return float((w * prior + self.copy_kept[b]) / (w + self.copy_trials[b]))
 
     def match_bucket(self, match_len: int) -> int:
         return min(max(match_len, 1), self.copy_kept.size) - 1
 
-    def copy_candidate(self, ids: list[int], head_p: float = 1.0) -> tuple[list[int], int, np.ndarray]:
-        """The copy continuation of `ids` and each of its tokens' chance to be kept given the ones before
-        (float32: the first token's, then the later ones' p: `copy_prob`), cut where the path probability
-        head_p x their product falls below copy_min_prob; ([], 0, []) without one."""
+    def copy_candidate(self, ids: list[int], head_p: float = 1.0) -> tuple[list[int], int, np.float32]:
+        """The copy continuation of `ids` and its p, cut where the path probability head_p x p^depth
+        falls below copy_min_prob; ([], 0, p) without one."""
         c = self.ctx
         chain, n = (copy_match(self._as_array(ids), c.copy_max_ngram, c.copy_len, c.copy_periodic) if c.copy
                     else ([], 0))
-        if not chain:
-            return [], 0, np.zeros(0, dtype=np.float32)
-        levels = np.full(len(chain), self.copy_prob(n), dtype=np.float32)  # fixed for the step
-        levels[0] = self.copy_prob(n, first=True)
-        keep = int(np.sum(head_p * np.cumprod(levels) >= c.copy_min_prob))
-        return chain[:keep], n, levels[:keep]
+        p = np.float32(self.copy_prob(n if chain else None))  # fixed for the step
+        keep = int(np.sum(head_p * p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob)) if chain else 0
+        return chain[:keep], n, p
 
     def _as_array(self, ids: list[int]) -> np.ndarray:
         """ids as an int64 array for `copy_match`: the request's own list (the first one asked about since
@@ -276,14 +252,14 @@ class ContextDrafter(DartDrafter):
         `ContextConfig.copy` is off: `copy_candidate` finds no chain then)."""
         return self.offer_copy(ids)
 
-    def offer_copy(self, ids: list[int]) -> tuple[list[int], np.ndarray]:
+    def offer_copy(self, ids: list[int]) -> tuple[list[int], np.float32]:
         """This step's copy chain and its p (`copy_candidate`), recorded so that `score_copies` scores it
         against what the target produces, whether or not the step verifies it."""
         chain, n, p = self.copy_candidate(ids)
         self.last_copies = [(len(ids), [], chain, self.match_bucket(n))] if chain else []
         return chain, p
 
-    def copy_path(self, ids: list[int], ngram, chain: list[int], p: np.ndarray,
+    def copy_path(self, ids: list[int], ngram, chain: list[int], p: np.float32,
                    head: tuple[int, np.float32] | None = None) -> list[tuple[list[int], np.ndarray]]:
         """The copy chain as a scored candidate path (ContextConfig.copy); with head = (token, its
         level-0 search score), the path [token] + chain (ContextConfig.copy_branches)."""
@@ -293,8 +269,7 @@ class ContextDrafter(DartDrafter):
         f32 = np.float32
         path = ([head[0]] if head else []) + chain
         lvl = np.arange(len(path))
-        levels = np.concatenate([np.ones(1, dtype=f32), p]) if head else p  # each copied token's chance
-        inc = np.log(levels + f32(cfg.eps)) * (cfg.logit_decay ** lvl).astype(f32)
+        inc = np.log(p + f32(cfg.eps)) * (cfg.logit_decay ** lvl).astype(f32)
         if head:
             inc[0] = head[1]  # level 0 carries w_level = 1 and no n-gram term (search.py)
         if ngram is not None and cfg.w_ngram and len(path) > 1:

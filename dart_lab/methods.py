@@ -336,8 +336,6 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            _dart_ctx("dart-ctx-branch", copy_branches=2), budgeted=True),
     Method("dart-ctx-aperiodic", "dart-ctx ablation: copies stop at the end of the text (no periodic run-on)",
            _dart_ctx("dart-ctx-aperiodic", copy_periodic=False), budgeted=True),
-    Method("dart-ctx-one-rate", "dart-ctx ablation: one copy probability for a copy's first and later tokens (the "
-           "previous rule)", _dart_ctx("dart-ctx-one-rate", copy_first_apart=False), budgeted=True),
     Method("pld", "prompt lookup decoding", lambda t, o, c: PLDDrafter(o.pld_max_ngram, o.pld_num_pred)),
     Method("sps", "speculative sampling with a smaller draft LM (--sps-model)", _sps),
     Method("hf", "Hugging Face generate (external reference)", hf=True),

@@ -323,14 +323,12 @@ def test_periodic_copy_runs_on_with_the_period_of_its_match():
 
 
 def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
-    """One rate p for every copy token (`copy_first_apart` off): the copy's nodes come on top of the budget
-    while p^depth >= copy_min_prob, p learned from the request's trials, per match length."""
     target = tiny_target("llama")
     ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
     assert copy_chain(ids, 3, 10) == [13, 14, 15, 16, 40, 41, 10, 11, 12]
     out = target.prefill(torch.tensor(ids[:-1]), want_aux=True)
     d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16),
-                       ContextConfig(w_context=0.0, copy_branches=0, copy_first_apart=False))
+                       ContextConfig(w_context=0.0, copy_branches=0))
     d.begin(target, ids, out.aux)
     tree = d.propose(ids)
 
@@ -358,31 +356,6 @@ def test_copy_candidates_come_on_top_of_the_budget_and_learn_from_the_request():
     assert d.copy_prob(7) == pytest.approx((4 * 5 / 8 + 0) / (4 + 1))
     assert d.copy_prob(3) == pytest.approx((4 * 5 / 8 + 3) / (4 + 3))
     assert d.copy_prob(1) == pytest.approx(5 / 8)  # no one-token match seen yet: the pooled rate
-
-
-def test_a_copys_first_token_is_learned_apart_from_the_later_ones():
-    """`copy_first_apart` (the default): a copy's first token has its own rate p_1, the later tokens p (each
-    given the one before kept), both from the same prior; the chain is cut where p_1 p^(depth-1) falls below
-    copy_min_prob and a step verifying L copy tokens expects 1 + p_1 (1 + p + ... + p^(L-1)) tokens."""
-    from dart_lab.budget import expected_copy_tokens
-    target = tiny_target("llama")
-    ids = [10, 11, 12, 13, 14, 15, 16, 40, 41, 10, 11, 12]
-    out = target.prefill(torch.tensor(ids[:-1]), want_aux=True)
-    d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16),
-                       ContextConfig(w_context=0.0, copy_branches=0))
-    d.begin(target, ids, out.aux)
-    assert d.copy_candidate(ids)[0] == [13, 14, 15]  # priors 0.5 and 0.5: 0.5^3 >= 0.1 > 0.5^4
-    d.propose(ids)
-    ids = ids + [13, 14, 15, 16]  # all 3 kept: the first 1 of 1 trial, the later 2 of 2
-    d.observe(ids, out.aux[-4:])
-    p1, p = d.copy_prob(first=True), d.copy_prob()
-    assert p1 == pytest.approx((4 * 0.5 + 1) / 5) and p == pytest.approx((4 * 0.5 + 2) / 6)
-    chain, _, levels = d.copy_candidate(ids)
-    assert len(chain) == 5 and levels.tolist() == pytest.approx([p1] + [p] * 4)  # 0.6 (2/3)^4 >= 0.1 > 0.6 (2/3)^5
-    assert expected_copy_tokens(levels, 3) == pytest.approx(1 + p1 * (1 + p + p * p))
-    d.propose(ids)
-    d.observe(ids + [99], out.aux[-1:])  # its first token rejected: p_1 falls, p stays
-    assert d.copy_prob(first=True) == pytest.approx((4 * 0.5 + 1) / 6) and d.copy_prob() == pytest.approx(p)
 
 
 def test_branch_copies_follow_the_heads_first_tokens_and_learn_only_when_taken():
