@@ -4,7 +4,9 @@
 For each dataset: the target's greedy answers (T=0, AR), then at every answer position the copy that
 `drafters.copy_match` proposes from the text so far (longest suffix match up to --max-ngram tokens,
 most recent occurrence) against what the target really wrote next: the share of copies whose first
-token is right and the mean number of leading tokens right, per match length (1, 2, 3, 4+).
+token is right, the mean number of leading tokens right, and how often a later copy token is right
+given the one before it was (a copy's acceptance by depth: dart-ctx prices copy tokens with one rate p,
+p^i for the i-th), per match length (1, 2, 3, 4+).
 
     python experiments/dart_ctx/copy_match_stats.py --datasets mt_bench,copy_edit --num-prompts 10
 """
@@ -35,6 +37,8 @@ def stats(prompt: list[int], answer: list[int], max_ngram: int, length: int, buc
         row[0] += 1
         row[1] += kept > 0
         row[2] += kept
+        row[3] += min(kept, len(chain) - 1) if chain else 0  # later tokens tried: each after a kept one
+        row[4] += max(kept - 1, 0)  # ... and kept
 
 
 def main(argv=None) -> None:
@@ -52,19 +56,21 @@ def main(argv=None) -> None:
     target = load_target("smollm2-135m", dtype=args.dtype)
     result = {"command": " ".join(["python experiments/dart_ctx/copy_match_stats.py", *argv]), "args": vars(args), "datasets": {}}
     for ds in args.datasets.split(","):
-        out = defaultdict(lambda: [0, 0, 0])
+        out = defaultdict(lambda: [0, 0, 0, 0, 0])
         for r in load_prompts(ds, args.num_prompts):
             ids = target.encode_prompt(r["prompt"])
             res = generate(target, ids, None, GenerationConfig(max_new_tokens=args.max_new_tokens))
             stats(ids.tolist(), res.tokens, args.max_ngram, args.copy_len, args.buckets, out)
         rows = {("none" if k == 0 else f"{k}+" if k == args.buckets else str(k)):
-                {"positions": c, "first_kept": round(f / c, 3), "mean_kept": round(m / c, 2)}
-                for k, (c, f, m) in sorted(out.items()) if c}
+                {"positions": c, "first_kept": round(f / c, 3), "mean_kept": round(m / c, 2),
+                 "later_kept": round(lk / lt, 3) if lt else None}
+                for k, (c, f, m, lt, lk) in sorted(out.items()) if c}
         result["datasets"][ds] = rows
         print(ds)
         for k, v in rows.items():
             print(f"  match {k:>4}: {v['positions']:4d} positions, first copy token right {v['first_kept']:.2f}, "
-                  f"leading tokens right {v['mean_kept']:.2f}")
+                  f"leading tokens right {v['mean_kept']:.2f}, a later token right after a right one "
+                  f"{v['later_kept'] if v['later_kept'] is not None else '-'}")
     if args.out:
         from dart_lab.atomic import write_json
         write_json(args.out, result)
