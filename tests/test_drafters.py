@@ -403,6 +403,27 @@ def test_copy_match_reliability_is_learned_across_requests():
         assert d.copy_prob(1) == pytest.approx(p1) and d.copy_prob(8) == pytest.approx(p8)
 
 
+def test_the_heads_norm_on_our_op_is_the_torch_norm_and_training_keeps_autograd():
+    """The draft head's RMSNorm: without gradients on fp32 CPU tensors our one-pass op (`dart_lab::rms_norm`),
+    `w * F.rms_norm(x)` to fp32 rounding (its sum of squares in another order); with gradients the torch ops, so
+    training's backward is unchanged."""
+    from dart_lab import kernels
+    from dart_lab.draft_head import RMSNorm
+    if not kernels.rms_norm_here():
+        pytest.skip(f"our norm kernel is not built here: {kernels._norm['reason']}")
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
+    x = torch.randn(3, 5, 96, generator=g) * 4
+    want = norm.weight * torch.nn.functional.rms_norm(x, (96,), eps=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), want, rtol=2e-6, atol=1e-6)
+    y = norm(x.requires_grad_())
+    y.sum().backward()
+    assert y.grad_fn is not None and x.grad is not None and norm.weight.grad is not None
+
+
 def test_copy_offers_from_the_held_array_equal_the_lookup_on_the_list():
     """dart-ctx keeps its request's token list as an array grown step by step (`_as_array`): every offer equals
     `copy_match` on the list itself, while the list grows, for another list (a branch's ids + [t]), after the
