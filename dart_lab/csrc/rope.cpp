@@ -13,10 +13,10 @@
 // dart_lab::rope_heads -- a prompt's rotary embedding (the K/V it attends over are its own, taken before the
 // cache's rounding): heads as above -> q (B, H, N, D) and k (B, Hk, N, D) rotated, v (B, Hk, N, D), fp32 contiguous,
 // the positions split over the threads; the rotation and transposes of the torch ops it replaces, bit for bit
-// (their five passes over a prompt's q and k a layer are a tenth of a packed batch's prefill).
+// in one pass where the torch ops make five over a prompt's q and k a layer (each a full read and write).
 // dart_lab::move_slots -- a batch step's cache compaction: every layer's K and V of row rows[j] at slot src[j]
 // copied to slot dst[j], in order (what `K[:, rows, :, dst] = K[:, rows, :, src]` does, without its gather's
-// index tensors and temporary: a few hundred bytes a move, where the indexing costs ~0.2 ms a step).
+// index tensors and temporary: a move is a few hundred bytes, so indexing costs its setup, not the copying).
 #pragma GCC optimize("fp-contract=off")
 #include <torch/library.h>
 #include <ATen/ATen.h>
