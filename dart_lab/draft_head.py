@@ -128,9 +128,9 @@ class RMSNorm(nn.Module):
         One fused op instead of six: the head runs five norms per draft step; without gradients on fp32 CPU
         tensors our one-pass op (`kernels.rms_norm_here`: the same formula, its sum of squares in another
         order, to fp32 rounding; `fast_llama._rms_norm`)."""
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu"
-                and x.is_contiguous() and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                and not torch.compiler.is_compiling() and kernels.rms_norm_here()):
+                and x.is_contiguous() and not grad and not torch.compiler.is_compiling() and kernels.rms_norm_here()):
             return torch.ops.dart_lab.rms_norm.default(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 

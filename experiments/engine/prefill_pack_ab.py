@@ -3,9 +3,9 @@
 prompt? And does the MLP's bf16 -> bf16 silu * up (`dart_lab::silu_mul_bf16`, where gate|up and down both take
 their bf16 copies) beat widening to fp32 between them ("packed, fp32 mlp": `fast_llama._bf16_mlp` patched to
 decline)? And does the prompt's rotation as one op (`dart_lab::rope_heads`, "packed, torch rotation": the torch ops
-it replaces, `kernels.turned_off("rope")`) help? The 4-bit embedded target (or `--dtype`), the first B HumanEval prompts through the chat template;
-the settings alternate in one process, each round one whole prefill of the B prompts; the median ms over
-rounds, and how far the last tokens' logits lie from the first setting's.
+it replaces, `kernels.turned_off("rope")`) help? The 4-bit embedded target (or `--dtype`), the first B HumanEval
+prompts through the chat template; the settings alternate in one process, each round one whole prefill of the B
+prompts; the median ms over rounds, and how far the last tokens' logits lie from the first setting's.
 
     python experiments/engine/prefill_pack_ab.py [--rows 8] [--rounds 7] [--dtype int4]
 """
