@@ -119,6 +119,7 @@ class ContextDrafter(DartDrafter):
         b = max(1, ctx.copy_match_buckets)
         self.hist_kept, self.hist_trials = np.zeros(b), np.zeros(b)  # over earlier requests (copy_history)
         self.copy_trials = None  # per request, from begin()
+        self._ids_src = None  # the request's token list, held as an array by `_as_array` (from begin_copies)
 
     def begin(self, target, ids, aux):
         self.begin_copies(ids)
@@ -232,7 +233,7 @@ class ContextDrafter(DartDrafter):
         """ids as an int64 array for `copy_match`: the request's own list (the first one asked about since
         `begin_copies`, which the decode loop extends step by step) is kept as an array grown by its new tokens
         alone; any other list (a branch's ids + [t]) is converted whole."""
-        if getattr(self, "_ids_src", None) is None:
+        if self._ids_src is None:
             self._ids_src, self._ids_buf, self._ids_n = ids, np.empty(max(2 * len(ids), 64), dtype=np.int64), 0
         elif ids is not self._ids_src:
             return np.asarray(ids, dtype=np.int64)

@@ -501,14 +501,13 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     # an eager fp32 step on a CPU with our kernel: rotation and cache write as one op (csrc/rope.cpp), the
     # same arithmetic as the torch ops below; a prompt attends over its own K/V (below), a compiled graph
     # fuses the torch ops itself
-    fused = (not qk_norm and not causal and x.dtype == torch.float32 and x.device.type == "cpu"
-             and rows_cos.dtype == torch.float32 and rows_cos.is_contiguous() and rows_sin.is_contiguous()
-             and not torch.compiler.is_compiling() and kernels.rope_cache_here())
+    rope_op = (not qk_norm and x.dtype == torch.float32 and x.device.type == "cpu"
+               and rows_cos.dtype == torch.float32 and rows_cos.is_contiguous() and rows_sin.is_contiguous()
+               and not torch.compiler.is_compiling() and kernels.rope_cache_here())
+    fused = rope_op and not causal
     # a prompt's rotation as one op too (csrc/rope.cpp: q, k rotated and v transposed, the same numbers), its own
     # K/V then written to the cache and attended over below
-    prompt_rope = (not qk_norm and causal and x.dtype == torch.float32 and x.device.type == "cpu"
-                   and rows_cos.dtype == torch.float32 and rows_cos.is_contiguous() and rows_sin.is_contiguous()
-                   and not torch.compiler.is_compiling() and kernels.rope_cache_here())
+    prompt_rope = rope_op and causal
     fused_mlp = (x.device.type == "cpu" and getattr(model.config, "hidden_act", None) in ("silu", "swish")
                  and not torch.compiler.is_compiling() and kernels.rms_norm_here())
     mlp_bf16 = _bf16_mlp(projs, B * N) if fused_mlp else None

@@ -65,16 +65,23 @@ inline void store_bf16(const float* x, uint16_t* out, int64_t D) {
   }
 }
 
+// the checks both rotation ops make of their heads (B, N, H + 2 Hk, D) and cos, sin (B, N, D)
+void check_heads(const char* op, const at::Tensor& heads, const at::Tensor& cos, const at::Tensor& sin, int64_t H,
+                 int64_t Hk) {
+  TORCH_CHECK(heads.dim() == 4 && heads.scalar_type() == at::kFloat && heads.is_contiguous() && heads.device().is_cpu(),
+              op, ": heads must be a contiguous (B, N, H + 2 Hk, D) float32 CPU tensor");
+  TORCH_CHECK(heads.size(2) == H + 2 * Hk && heads.size(3) % 2 == 0, op, ": heads must hold H + 2 Hk heads of even size");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == heads.size(0) &&
+              cos.size(1) == heads.size(1) && cos.size(2) == heads.size(3),
+              op, ": cos and sin must be contiguous (B, N, D) float32");
+}
+
 __attribute__((target("avx512f")))
 at::Tensor rope_cache(const at::Tensor& heads, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K,
                       at::Tensor V, const at::Tensor& slots, int64_t H, int64_t Hk) {
-  TORCH_CHECK(heads.dim() == 4 && heads.scalar_type() == at::kFloat && heads.is_contiguous() && heads.device().is_cpu(),
-              "rope_cache: heads must be a contiguous (B, N, H + 2 Hk, D) float32 CPU tensor");
+  check_heads("rope_cache", heads, cos, sin, H, Hk);
   const int64_t B = heads.size(0), N = heads.size(1), D = heads.size(3);
-  TORCH_CHECK(heads.size(2) == H + 2 * Hk && D % 2 == 0, "rope_cache: heads must hold H + 2 Hk heads of even size");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == B &&
-              cos.size(1) == N && cos.size(2) == D, "rope_cache: cos and sin must be contiguous (B, N, D) float32");
   const bool bf16 = K.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || K.scalar_type() == at::kFloat) && V.scalar_type() == K.scalar_type() && K.dim() == 4 &&
               V.sizes() == K.sizes() && K.size(0) == B && K.size(1) == Hk && K.size(3) == D && K.stride(3) == 1 &&
@@ -132,13 +139,8 @@ void rope_heads_range(const float* hp, const float* cp, const float* snp, float*
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_heads(const at::Tensor& heads, const at::Tensor& cos,
                                                           const at::Tensor& sin, int64_t H, int64_t Hk) {
-  TORCH_CHECK(heads.dim() == 4 && heads.scalar_type() == at::kFloat && heads.is_contiguous() && heads.device().is_cpu(),
-              "rope_heads: heads must be a contiguous (B, N, H + 2 Hk, D) float32 CPU tensor");
+  check_heads("rope_heads", heads, cos, sin, H, Hk);
   const int64_t B = heads.size(0), N = heads.size(1), D = heads.size(3);
-  TORCH_CHECK(heads.size(2) == H + 2 * Hk && D % 2 == 0, "rope_heads: heads must hold H + 2 Hk heads of even size");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == B &&
-              cos.size(1) == N && cos.size(2) == D, "rope_heads: cos and sin must be contiguous (B, N, D) float32");
   auto q = at::empty({B, H, N, D}, heads.options());
   auto k = at::empty({B, Hk, N, D}, heads.options());
   auto v = at::empty({B, Hk, N, D}, heads.options());
