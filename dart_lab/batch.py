@@ -5,9 +5,9 @@ Each step every live row drafts its own tree (its own drafter: DART's head and s
 tree, a copy, or the root alone), the trees are verified in ONE forward of B x N_max nodes (rows padded
 to the step's largest tree), each row accepts its own path and compacts its own cache, and a row that
 finished leaves the batch (its cache rows are dropped, so it costs no more work). With `max_rows`
-(continuous batching, as a server runs) a waiting request takes the finished row's place: prefilled on
-its own, its cache joined to the batch's (`BatchTarget.admit`), so the batch stays full until the queue
-is empty.
+(continuous batching, as a server runs) a waiting request takes the finished row's place: waiting
+requests are prefilled ahead, up to `max_rows` in one packed forward, and each joins as a place frees
+(`BatchTarget.join` copies its cache in), so the batch stays full until the queue is empty.
 
 Cache layout, shared by both runners (`BatchTarget`): row b holds `lens[b]` committed tokens in slots
 [0, lens[b]); every step appends the nodes of all rows at the same slots [end, end + N_max) with
@@ -54,12 +54,16 @@ class BatchTarget:
     cache (L, B, kv_heads, capacity, head_dim); the public-forward runner its `DynamicCache` with a 4D
     additive mask. The single-sequence `Target` is left untouched (its own cache)."""
 
-    def __init__(self, target: Target, capacity_step: int = 256, pack_tokens: int = 2048):
+    def __init__(self, target: Target, capacity_step: int = 256, pack_tokens: int = 2048, rows_room: int = 0):
         self.target, self.capacity_step, self.pack_tokens = target, capacity_step, pack_tokens
         self.fast = getattr(target, "runner", "hf") == "fast"
         self.lens: list[int] = []
         self.end = 0
-        self._k = self._v = None  # fast runner: (L, B, kv, cap, hd)
+        # fast runner: (L, B, kv, cap, hd), the first B rows of a store of max(B, rows_room) rows, so rows that
+        # join later (`join`) are copied into place instead of the whole cache reallocated
+        self._k = self._v = None
+        self._store: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rows_room = rows_room
         self.cache = None  # public forward: DynamicCache
 
     @property
@@ -81,7 +85,8 @@ class BatchTarget:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, rows: torch.Tensor,
                  want_aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions (B, N); allowed (B, N, end + N) bool; rows: flat indices into B * N whose logits
-        are wanted. Returns logits (len(rows), V) fp32 and aux (B, N, 3H) or None."""
+        are wanted (fast runner: a step's real nodes, the others pads the linears skip). Returns logits
+        (len(rows), V) fp32 and aux (B, N, 3H) or None."""
         t, dev = self.target, self.target.device
         B, N = ids.shape
         if self.fast:
@@ -92,7 +97,7 @@ class BatchTarget:
             caches = (list(self._k.unbind(0)), list(self._v.unbind(0)))
             logits, aux = decoder_step(t.model, *t.projections(), t._geometry(), ids.to(dev),
                                        positions.to(dev), slots, caches, self.end + N, self._additive(allowed),
-                                       rows=rows.to(dev))
+                                       rows=(rows := rows.to(dev)), live=rows)
             return logits, aux if want_aux else None
         out = t.model(input_ids=ids.to(dev), position_ids=positions.to(dev), attention_mask=self._additive(allowed),
                       use_cache=True, output_hidden_states=want_aux, **{t._cache_kw: self.cache})
@@ -102,18 +107,33 @@ class BatchTarget:
 
     def _ensure(self, n: int) -> None:
         """Fast runner: cache capacity for n slots per row (contents kept)."""
+        if self._k is None or self._k.shape[3] < n:
+            self._alloc(self.batch_size, n)
+
+    def _alloc(self, rows: int, n: int) -> None:
+        """Fast runner: a new store for `rows` rows (room for `rows_room`) of at least n slots, the current
+        rows' filled slots copied in. Unfilled slots are left as allocated: a step writes its slots before
+        reading them, and the holes a mask hides are zeroed where rows enter (`_zero_holes`)."""
         t = self.target
-        if self._k is not None and self._k.shape[3] >= n:
-            return
         t.attention_nodes  # measured before the first step with this cache (not inside a compiled graph)
         cap = min(n + self.capacity_step, max(t.max_context + 64, n))
-        shape = (t.num_layers, self.batch_size, t.n_kv, cap, t.head_dim)
-        k = torch.zeros(shape, dtype=t.cache_dtype, device=t.device)
-        v = torch.zeros(shape, dtype=t.cache_dtype, device=t.device)
+        shape = (t.num_layers, max(rows, self.rows_room), t.n_kv, cap, t.head_dim)
+        k = torch.empty(shape, dtype=t.cache_dtype, device=t.device)
+        v = torch.empty(shape, dtype=t.cache_dtype, device=t.device)
         if self._k is not None and self.end:
-            k[:, :, :, :self.end] = self._k[:, :, :, :self.end]
-            v[:, :, :, :self.end] = self._v[:, :, :, :self.end]
-        self._k, self._v = k, v
+            B = self._k.shape[1]
+            k[:, :B, :, :self.end] = self._k[:, :, :, :self.end]
+            v[:, :B, :, :self.end] = self._v[:, :, :, :self.end]
+        self._store = (k, v)
+        self._k, self._v = k[:, :rows], v[:, :rows]
+
+    def _zero_holes(self, rows) -> None:
+        """Fast runner: rows' slots [lens[b], end) -- read under a -inf mask, never written -- set to zero, so
+        a hole holds no NaN from fresh memory (0 x NaN would reach the output)."""
+        for b in rows:
+            if self.lens[b] < self.end:
+                self._k[:, b, :, self.lens[b]:self.end] = 0
+                self._v[:, b, :, self.lens[b]:self.end] = 0
 
     @torch.no_grad()
     def prefill(self, prompts: list[torch.Tensor], want_aux: bool = False) -> BatchOutput:
@@ -166,6 +186,7 @@ class BatchTarget:
             aux.extend(ax[s:e] for s, e in segments)
             first += len(group)
         self.lens, self.end = [p.numel() for p in prompts], T
+        self._zero_holes(range(len(prompts)))
         return BatchOutput(logits, aux if want_aux else None)
 
     @torch.no_grad()
@@ -186,6 +207,7 @@ class BatchTarget:
             ids[b, :n] = tr.tokens
             positions[b, :n] += tr.depths
             allowed[b, :n, P:P + n] = tr.ancestor_mask()
+            allowed[b, n:, :P] = False  # a pad node sees itself only: our attention kernel then skips it
         rows = (torch.arange(B)[:, None] * N + torch.arange(N)[None])[torch.arange(N)[None] < sizes[:, None]]
         logits, aux = self._forward(ids, positions, allowed, rows, want_aux)
         self._pending = N
@@ -229,31 +251,61 @@ class BatchTarget:
 
     @torch.no_grad()
     def admit(self, prompts: list[torch.Tensor], want_aux: bool = False) -> BatchOutput:
-        """Add rows for `prompts` (each (T_b,)) after the running batch's rows (continuous batching: a
-        finished row's place goes to a waiting request). The new prompts are prefilled as a batch of their
-        own (`prefill`), then both caches are joined along the batch, the shorter padded with slots that
-        the masks hide (each row attends to its own [0, lens[b]) only). Returns the new rows' prefill
-        output, as `prefill` does."""
+        """Add rows for `prompts` (each (T_b,)) after the running batch's rows: prefilled as a batch of their
+        own, then joined (`join`). Returns their prefill output, as `prefill` does."""
         if not self.lens:
             return self.prefill(prompts, want_aux)
-        old = (self.lens, self.end, self._k, self._v, self.cache)
-        out = self.prefill(prompts, want_aux)
-        lens, end = old[0] + self.lens, max(old[1], self.end)
-
-        def joined(a: torch.Tensor, b: torch.Tensor, dim: int, slots: int) -> torch.Tensor:
-            """a and b (slots along dim `slots`) padded to the same length and stacked along `dim`."""
-            n = max(a.shape[slots], b.shape[slots])
-            pad = lambda x: torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - slots) + (0, n - x.shape[slots]))  # noqa: E731
-            return torch.cat([pad(a), pad(b)], dim)
-
-        if self.fast:  # (L, B, kv, cap, hd)
-            self._k, self._v = joined(old[2], self._k, 1, 3), joined(old[3], self._v, 1, 3)
-        else:  # DynamicCache layers: (B, kv, end, hd)
-            for lo, ln in zip(old[4].layers, self.cache.layers):
-                lo.keys, lo.values = joined(lo.keys, ln.keys, 0, 2), joined(lo.values, ln.values, 0, 2)
-            self.cache = old[4]
-        self.lens, self.end = lens, end
+        staged = BatchTarget(self.target, self.capacity_step, self.pack_tokens)
+        out = staged.prefill(prompts, want_aux)
+        self.join(staged, list(range(len(prompts))))
         return out
+
+    @torch.no_grad()
+    def join(self, other: "BatchTarget", rows: list[int]) -> None:
+        """Append `other`'s rows `rows` (indices into its batch, e.g. prompts prefilled ahead of time) after
+        this batch's rows (continuous batching: a finished row's place goes to a waiting request). The fast
+        runner copies each row's filled slots into its store (room kept for `rows_room` rows); the public
+        forward joins the caches along the batch, the shorter padded with slots the masks hide (each row
+        attends to its own [0, lens[b]) only)."""
+        if not rows:
+            return
+        n, lens = self.batch_size, self.lens + [other.lens[r] for r in rows]
+        end = max(lens)
+        if self.fast and not self.lens and rows == list(range(other.batch_size)):
+            self._k, self._v, self._store = other._k, other._v, other._store  # all of other's rows: its cache as is
+        elif self.fast:
+            if self._store is None or self._store[0].shape[1] < len(lens) or self._store[0].shape[3] < end:
+                self.rows_room = max(self.rows_room, len(lens))
+                self._alloc(n, end)
+            k, v = self._store
+            self._k, self._v = k[:, :len(lens)], v[:, :len(lens)]
+            for j, r in enumerate(rows):
+                m = other.lens[r]
+                self._k[:, n + j, :, :m] = other._k[:, r, :, :m]
+                self._v[:, n + j, :, :m] = other._v[:, r, :, :m]
+        else:  # DynamicCache layers: (B, kv, slots, hd)
+            sel = torch.as_tensor(rows, dtype=torch.long, device=self.target.device)
+            if not self.lens:  # a cache of its own (other's may still hand out its other rows)
+                from transformers import DynamicCache
+
+                self.cache = DynamicCache(config=self.target.model.config)
+                for i, layer in enumerate(other.cache.layers):
+                    self.cache.update(layer.keys.index_select(0, sel), layer.values.index_select(0, sel), i)
+            else:
+                def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                    """a and b's selected rows, padded to the same number of slots, stacked along the batch."""
+                    b = b.index_select(0, sel)
+                    s = max(a.shape[2], b.shape[2])
+                    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, s - x.shape[2]))  # noqa: E731
+                    return torch.cat([pad(a), pad(b)], 0)
+
+                for lo, ln in zip(self.cache.layers, other.cache.layers):
+                    lo.keys, lo.values = joined(lo.keys, ln.keys), joined(lo.values, ln.values)
+            for layer in self.cache.layers:  # slots past the longest row's are never read (commit trims so too)
+                layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+        self.lens, self.end = lens, end
+        if self.fast:  # the joined rows' holes, and the existing rows' new ones where the end moved
+            self._zero_holes(range(len(lens)))
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (indices into the current batch), in that order: finished rows cost no more."""
@@ -272,6 +324,7 @@ class BatchTarget:
             self._k, self._v = self._k[:, :len(rows)], self._v[:, :len(rows)]
         elif self.fast:
             self._k, self._v = self._k.index_select(1, sel), self._v.index_select(1, sel)
+            self._store = (self._k, self._v)
         else:
             for layer in self.cache.layers:
                 layer.keys = layer.keys.index_select(0, sel)[..., :self.end, :]
@@ -410,8 +463,8 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
     """Decode `prompts` (each (T_b,) token ids) together; drafters[b] drafts for row b (None: AR for all).
 
     max_rows: at most this many rows decode at once (continuous batching): the first max_rows prompts
-    start, and each time rows finish the next waiting prompts are prefilled into the batch
-    (`BatchTarget.admit`), so the batch stays full until the queue is empty; None: all at once.
+    start, and each time rows finish the next waiting prompts join the batch (prefilled ahead, up to
+    max_rows together: step 0), so the batch stays full until the queue is empty; None: all at once.
     policy (optional): live rows -> (theta, verify curve) from the automatic budget at that batch size
     (`methods.Runner.generate_batch`); theta 0 = no tree pays: batched AR steps, or copies where they pay
     for the batch (`_copy_step`), while every drafter keeps observing, so its state (the head's cache)
@@ -427,40 +480,50 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
     dev = target.device
     want_aux = any(d.needs_aux for d in drafters)
     rows = [_Row(p, d, make_generator(dev, cfg.seed)) for p, d in zip(prompts, drafters)]
-    bt = BatchTarget(target)
+    bt = BatchTarget(target, rows_room=width)
     live: list[int] = []  # rows decoding, in the batch's row order
     waiting = list(range(B))
+    staged: list = [None]  # the BatchTarget of the prompts prefilled ahead
+    queue: list[tuple[int, int]] = []  # (its row, our row) of those waiting for a place, in order
     theta = None
 
     def admit() -> float:
-        """Step 0: prefill waiting prompts into the free places, each row's first new token (its first
-        tree root); rows finished by it leave at once. Returns the seconds it took."""
+        """Step 0: fill the free places. When none is prefilled ahead, the next `width` waiting prompts are
+        prefilled together (one packed forward: a prompt alone costs more than its share of a pack), each
+        row's first new token taken (its first tree root) and its drafter begun; they join the batch as places
+        free (`BatchTarget.join`: their K/V copied in). A row finished by its first token never joins.
+        Returns the seconds it took."""
         sync(dev)
         t = time.perf_counter()
-        take = waiting[:width - len(live)]
-        del waiting[:len(take)]
-        out = bt.admit([rows[b].prompt for b in take], want_aux=want_aux)
-        for j, b in enumerate(take):
-            row = rows[b]
-            first = _first_token(out.logits[j][-1], cfg, row.gen)
-            row.ids, row.new, row.margins = row.prompt.tolist() + [first], [first], _margins(out.logits[j][-1:])
-            row.drafter.begin(target, row.ids, out.aux[j] if want_aux else None)
+        if not queue:
+            take = waiting[:width]
+            del waiting[:len(take)]
+            staged[0] = BatchTarget(target)
+            out = staged[0].prefill([rows[b].prompt for b in take], want_aux=want_aux)
+            for j, b in enumerate(take):
+                row = rows[b]
+                first = _first_token(out.logits[j][-1], cfg, row.gen)
+                row.ids, row.new, row.margins = row.prompt.tolist() + [first], [first], _margins(out.logits[j][-1:])
+                row.drafter.begin(target, row.ids, out.aux[j] if want_aux else None)
+                if not _finished(row, row.new, staged[0].lens[j], target, cfg):
+                    queue.append((j, b))
+        join = queue[:width - len(live)]
+        del queue[:len(join)]
+        bt.join(staged[0], [j for j, _ in join])
+        for _, b in join:
             if theta:
-                row.drafter.set_budget(theta)
-        live.extend(take)
-        keep = [i for i, b in enumerate(live) if not _finished(rows[b], rows[b].new, bt.lens[i], target, cfg)]
-        bt.keep(keep)
-        live[:] = [live[i] for i in keep]
+                rows[b].drafter.set_budget(theta)
+            live.append(b)
         sync(dev)
         return time.perf_counter() - t
 
     t0 = time.perf_counter()
     prefill_s = 0.0
     batch_steps = []
-    while live or waiting:
-        if waiting and len(live) < width:
+    while live or waiting or queue:
+        if (waiting or queue) and len(live) < width:
             prefill_s += admit()
-            continue  # rows finished at their first token: admit again before a step
+            continue  # places still free (rows finished at their first token): admit again before a step
         if policy is not None:  # theta for this many live rows (re-chosen when rows finish)
             new_theta, curve = policy(len(live))
             if new_theta != theta:

@@ -474,7 +474,8 @@ def _dt_name(dt: torch.dtype) -> str:
 def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, caches: tuple[list, list], n_keys: int, attn_mask: torch.Tensor | None,
                  causal: bool = False, rows: slice | torch.Tensor | None = None,
-                 segments: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 segments: list[tuple[int, int]] | None = None,
+                 live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Llama-family decoder over N new nodes of B rows: the one home of the layer math, run eagerly
     by `FastTarget` and `batch.BatchTarget`, and compiled by `StepGraph`.
 
@@ -488,6 +489,9 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     segments (causal only): several prompts packed end to end in one row, prompt r at [start, end) of N,
     its K/V written to slots [0, end - start) of cache row r and each attending causally to its own tokens
     only; the linears run once over all of them (more rows a matmul: a batch's prefill).
+    live (a batch): the flat indices into B * N of its real nodes, where the others are pads that see only
+    themselves (`batch.BatchTarget.verify`): with the layers in one op the linears skip the pads (their
+    outputs 0), so a row padded to the step's widest tree costs what its own tree does.
     """
     nh, nkv, hd, scaling, qk_norm, aux_layers, attention_dtype = geometry
     inner = model.model
@@ -511,11 +515,14 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     fused_mlp = (x.device.type == "cpu" and getattr(model.config, "hidden_act", None) in ("silu", "swish")
                  and not torch.compiler.is_compiling() and kernels.rms_norm_here())
     mlp_bf16 = _bf16_mlp(projs, B * N) if fused_mlp else None
-    stack = (_q4_stack(model, projs, B * N) if fused and fused_mlp and attention_dtype == torch.float32
-             and attention_ours(nh, nkv, hd, N, caches[0][0].dtype) and kernels.layers_here() else None)
+    skip = batched and live is not None and live.numel() < B * N and x.device.type == "cpu"
+    stack = (_q4_stack(model, projs, live.numel() if skip else B * N) if fused and fused_mlp
+             and attention_dtype == torch.float32 and attention_ours(nh, nkv, hd, N, caches[0][0].dtype)
+             and kernels.layers_here() else None)
     if stack is not None:  # every linear on our 4-bit kernel, attention on ours: the layers in one op, same numbers
         x, tapped = torch.ops.dart_lab.q4_layers.default(x, *stack, rows_cos, rows_sin, caches[0], caches[1], slots,
-                                                         attn_mask, n_keys, scaling, nh, nkv, list(aux_layers))
+                                                         attn_mask, n_keys, scaling, nh, nkv, list(aux_layers),
+                                                         live if skip else None)
         taps = dict(zip(aux_layers, tapped))
     else:
         taps = {}

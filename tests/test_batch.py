@@ -143,6 +143,38 @@ def test_rows_kept_in_any_order_verify_as_alone():
                 torch.testing.assert_close(out.logits[i], alone.logits, atol=2e-4, rtol=1e-4)
 
 
+def test_rows_joining_a_running_batch_verify_as_alone(monkeypatch):
+    """`join` (continuous batching: prompts prefilled ahead join as places free), a subset at a time, into the
+    store's spare rows and past them: each row's next verify equals its row verified alone -- with fresh
+    memory full of NaN, so a hole a mask hides that was never zeroed would show."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
+                        if (k.get("dtype") or torch.get_default_dtype()).is_floating_point else empty(*a, **k))
+    for runner in ("hf", "fast"):
+        target = tiny_target("llama", runner=runner)
+        prompts = prompts_for(target)[:5]
+        bt = BatchTarget(target, rows_room=4)
+        bt.prefill(prompts[:2])
+        bt.verify([Tree.from_paths(int(p[-1]), [[3, 4]]) for p in prompts[:2]])
+        bt.commit([[0, 1, 2], [0]])
+        staged = BatchTarget(target)
+        staged.prefill(prompts[2:])
+        store = bt._store[0].data_ptr() if bt.fast else None
+        bt.join(staged, [1])  # into the room
+        assert bt.lens == [prompts[0].numel() + 3, prompts[1].numel() + 1, prompts[3].numel()]
+        if bt.fast:
+            assert bt._store[0].data_ptr() == store  # copied into place, not reallocated
+        bt.join(staged, [2, 0])  # past the room: a wider store
+        out = bt.verify([Tree.from_paths(5, [[6]]) for _ in range(5)])
+        done = [[int(prompts[0][-1]), 3, 4], [int(prompts[1][-1])], [], [], []]
+        for i, b in enumerate([0, 1, 3, 4, 2]):
+            target.prefill(torch.cat([prompts[b], torch.tensor(done[i], dtype=torch.long)]))
+            alone = target.verify(Tree.from_paths(5, [[6]]))
+            target.commit([0])
+            assert torch.isfinite(out.logits[i]).all(), (runner, i)
+            torch.testing.assert_close(out.logits[i], alone.logits, atol=2e-4, rtol=1e-4)
+
+
 def test_sampling_rows_follow_the_target_law():
     """T > 0: every row of a batch draws its first two tokens from the target's exact law (chi-square)."""
     target = tiny_target("llama", runner="fast")

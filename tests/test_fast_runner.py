@@ -341,7 +341,8 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
         bt.prefill(prompts)
         rows = bt.verify([Tree.single(3), chain, Tree.from_paths(4, [[6, 7]])], want_aux=True)
         bt.commit([[0], [0, 1, 2], [0, 1]])
-        return [one.logits, one.aux, four.logits, four.aux, *t.kv_cache, *rows.logits, *rows.aux, bt._k, bt._v]
+        return [one.logits, one.aux, four.logits, four.aux, *t.kv_cache, *rows.logits, *rows.aux,  # each row's own slots
+                *(c[:, b, :, :n] for b, n in enumerate(bt.lens) for c in (bt._k, bt._v))]
 
     for bf16 in (False, True):
         on = steps(bf16)
@@ -355,8 +356,9 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
 def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
     """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = bf16(x) W^T with W = q * scale + low exactly, to
     fp32 rounding, for any row count (rows go through the kernel 8 at a time; on AMX tiles 16 at a time, both
-    paths checked where the CPU has AMX) -- torch's int4 kernel rounds scale and zero to bf16 too. `pack`
-    refuses what the kernel cannot hold."""
+    paths checked where the CPU has AMX) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for
+    some rows only, those rows' numbers as computed alone and 0 for the others. `pack` refuses what the kernel
+    cannot hold."""
     if not q4.available():
         pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
     default = q4.amx_rows()
@@ -384,6 +386,11 @@ def _q4_kernel_checks():
             x = torch.randn(M, K, generator=g)
             want = (x.to(torch.bfloat16).double() @ w.double().T + bias.double()).float()
             torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
+            # some rows only (a batch step's real nodes): those rows' numbers exactly, the others 0
+            some = torch.arange(0, M, 2)
+            y = torch.ops.dart_lab.q4mm(x, lin.wp, lin.sl, N, 1, some) + bias
+            full = torch.ops.dart_lab.q4mm(x[some], lin.wp, lin.sl, N, 1) + bias
+            assert torch.equal(y[some], full) and not y[1::2].sub(bias).any()
         x = torch.randn(2, 3, K, generator=g).to(torch.bfloat16)  # any leading shape and dtype: x's back
         assert lin(x).shape == (2, 3, N) and lin(x).dtype == torch.bfloat16
         # an 8-bit grid (a GGUF Q8_0 LM head) as two 4-bit halves over [x, x]
@@ -556,6 +563,21 @@ def test_attention_kernel_is_sdpa_to_fp32_rounding():
         alone = torch.ops.dart_lab.decode_attn(q[b:b + 1], K[b:b + 1, :, keys], V[b:b + 1, :, keys],
                                                mask[b:b + 1, ..., keys], 0.125)
         assert torch.equal(got[b:b + 1], alone)
+    # trees padded to the step's widest: a pad position sees its own slot only and takes its V exactly; the row's
+    # real positions compute exactly what its own tree alone does
+    sizes = (3, 1, 2)
+    for b, n in enumerate(sizes):
+        allowed[b, 0, n:] = False
+        allowed[b, 0, n:, P:] = torch.eye(N, dtype=torch.bool)[n:]
+    mask = torch.zeros(B, 1, N, nk).masked_fill_(~allowed, float("-inf"))
+    got = torch.ops.dart_lab.decode_attn(q, K, V, mask, 0.125)
+    for b, (n, ln) in enumerate(zip(sizes, lens)):
+        keys = torch.cat([torch.arange(ln), torch.arange(P, P + n)])
+        alone = torch.ops.dart_lab.decode_attn(q[b:b + 1, :, :n], K[b:b + 1, :, keys], V[b:b + 1, :, keys],
+                                               mask[b:b + 1, :, :n][..., keys], 0.125)
+        assert torch.equal(got[b:b + 1, :, :n], alone)
+        for p in range(n, N):  # the pad position's one key: slot P + p, its V for each query head of the key head
+            assert torch.equal(got[b, :, p], V[b, :, P + p].repeat_interleave(H // Hk, 0))
 
 
 def test_rope_cache_op_is_the_torch_ops_it_replaces():

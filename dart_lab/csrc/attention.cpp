@@ -5,7 +5,8 @@
 // most of its time outside the arithmetic, reading the cache at a fraction of the memory's speed. Here
 // each (row, key head) reads its K and V once, for all the query heads that share them (grouped-query
 // attention without repeating K/V): scores, an exact softmax (max subtracted, fp32), then the weighted sum
-// of V. Masked keys (-inf) weigh exactly 0; a key that every query position of its row masks is not read.
+// of V. Masked keys (-inf) weigh exactly 0; a key that every query position of its row masks is not read, and a
+// position that sees one key only (a batch's pad node) takes that key's V without a pass over the others.
 //
 // Shapes: q (B, H, N, D) fp32; k, v (B, Hk, n_keys, D) both fp32 or both bf16 (widened to fp32 exactly in
 // registers: a bf16 cache is half the bytes a step streams) with D contiguous (views of a longer cache are
@@ -98,6 +99,30 @@ void live_spans(const Geometry& s, const float* M, std::vector<std::pair<int64_t
   if (open >= 0) spans.emplace_back(open, s.nk);
 }
 
+// Per query position of batch row b: the one key it sees where it sees exactly one (else -1). Such a position's
+// softmax is exactly 1 on that key, so its output is that key's V as it is; in a batch's step every row's tree is
+// padded to the widest, and a pad position sees only its own slot -- left out of the passes below, a row with a
+// smaller tree costs what its own tree does.
+__attribute__((target("avx512f")))
+void single_keys(const Geometry& s, const float* M, std::vector<int64_t>& single) {
+  single.assign(s.N, -1);
+  if (!M) return;
+  const __m512 dead = _mm512_set1_ps(-INFINITY);
+  for (int64_t p = 0; p < s.N; ++p) {
+    int64_t seen = 0, at = -1;
+    for (int64_t j0 = 0; j0 < s.nk && seen < 2; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, s.nk - j0);
+      const __mmask16 in = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+      const __mmask16 live = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, M + p * s.mn + j0), dead, _CMP_NEQ_UQ);
+      if (live) {
+        seen += __builtin_popcount(live);
+        at = j0 + __builtin_ctz(live);
+      }
+    }
+    if (seen == 1) single[p] = at;
+  }
+}
+
 // K/V elements: fp32 as they are, or bf16 (an fp32's upper half) widened exactly
 struct F32 {
   using T = float;
@@ -111,33 +136,44 @@ struct BF16 {
 };
 
 // One (batch row b, key head g): rows [r_begin, r_end) of the G query heads sharing it x N positions (R = G N
-// rows, contiguous in q and out; row r is position r % N) over the live keys `spans`. C = D / 16 vectors a head.
+// rows, contiguous in q and out; row r is position r % N) over the live keys `spans`; a row whose position sees
+// one key only (`single`) takes that key's V. C = D / 16 vectors a head.
 template <int C, class E>
 __attribute__((target("avx512f")))
 void head_group(const Geometry& s, const float* q, const typename E::T* k, const typename E::T* v, const float* mask,
                 float* out,
                 int64_t b, int64_t g, int64_t r_begin, int64_t r_end, std::vector<float>& sc,
-                const std::vector<std::pair<int64_t, int64_t>>& spans) {
+                const std::vector<std::pair<int64_t, int64_t>>& spans, const std::vector<int64_t>& single) {
   constexpr int D = 16 * C;
   int64_t nk = 0;  // live keys; scores are stored for those only, in key order
   for (const auto& sp : spans) nk += sp.second - sp.first;
-  const int64_t R = r_end - r_begin;
   const float* Q = q + (b * s.H + g * s.G) * s.N * D;
   float* O = out + (b * s.H + g * s.G) * s.N * D;
   const typename E::T* K = k + b * s.kb + g * s.kh;
   const typename E::T* V = v + b * s.vb + g * s.vh;
   constexpr int kLine = 64 / sizeof(typename E::T);  // elements a cache line: one prefetch each
   const float* M = mask ? mask + b * s.mb : nullptr;
-  sc.resize(R * nk);  // row r's scores at (r - r_begin) * nk
+  std::vector<int64_t> rows;  // the rows computed below, in order
+  rows.reserve(r_end - r_begin);
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int64_t j = single[r % s.N];
+    if (j < 0) {
+      rows.push_back(r);
+      continue;
+    }
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(O + r * D + 16 * c, E::load(V + j * s.vr + 16 * c));
+  }
+  const int64_t R = rows.size();
+  sc.resize(R * nk);  // the i-th computed row's scores at i * nk
   std::vector<float> mx(R, -INFINITY), sum(R);
   // 1. scores (scale already in q): 4 query rows at a time held in registers, each key's 4 dot products
   // summed together (`sum4`)
-  for (int64_t r0 = r_begin; r0 < r_end; r0 += kRowsPerPass) {
-    const int64_t rn = std::min<int64_t>(kRowsPerPass, r_end - r0);
+  for (int64_t i0 = 0; i0 < R; i0 += kRowsPerPass) {
+    const int64_t rn = std::min<int64_t>(kRowsPerPass, R - i0);
     __m512 qv[kRowsPerPass][C];
     for (int i = 0; i < kRowsPerPass; ++i)
       for (int c = 0; c < C; ++c)
-        qv[i][c] = i < rn ? _mm512_loadu_ps(Q + (r0 + i) * D + 16 * c) : _mm512_setzero_ps();
+        qv[i][c] = i < rn ? _mm512_loadu_ps(Q + rows[i0 + i] * D + 16 * c) : _mm512_setzero_ps();
     float m4[kRowsPerPass] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
     int64_t at = 0;  // the key's place among the live ones
     for (const auto& sp : spans) {
@@ -153,14 +189,13 @@ void head_group(const Geometry& s, const float* q, const typename E::T* k, const
         float x[4];
         _mm_storeu_ps(x, sum4(a[0], a[1], a[2], a[3]));
         for (int i = 0; i < rn; ++i) {
-          const int64_t r = r0 + i;
-          const float xi = M ? x[i] + M[(r % s.N) * s.mn + j] : x[i];
-          sc[(r - r_begin) * nk + at] = xi;
+          const float xi = M ? x[i] + M[(rows[i0 + i] % s.N) * s.mn + j] : x[i];
+          sc[(i0 + i) * nk + at] = xi;
           m4[i] = std::max(m4[i], xi);
         }
       }
     }
-    for (int i = 0; i < rn; ++i) mx[r0 - r_begin + i] = m4[i];
+    for (int i = 0; i < rn; ++i) mx[i0 + i] = m4[i];
   }
   // 2. softmax numerators and sums
   for (int64_t r = 0; r < R; ++r) {
@@ -182,8 +217,8 @@ void head_group(const Geometry& s, const float* q, const typename E::T* k, const
     sum[r] = _mm512_reduce_add_ps(acc);
   }
   // 3. out = softmax-weighted sum of V
-  for (int64_t r0 = r_begin; r0 < r_end; r0 += kRowsPerPass) {
-    const int64_t rn = std::min<int64_t>(kRowsPerPass, r_end - r0);
+  for (int64_t i0 = 0; i0 < R; i0 += kRowsPerPass) {
+    const int64_t rn = std::min<int64_t>(kRowsPerPass, R - i0);
     __m512 o[kRowsPerPass][C];
     for (int i = 0; i < kRowsPerPass; ++i)
       for (int c = 0; c < C; ++c) o[i][c] = _mm512_setzero_ps();
@@ -196,14 +231,14 @@ void head_group(const Geometry& s, const float* q, const typename E::T* k, const
           vj[c] = E::load(V + j * s.vr + 16 * c);
         }
         for (int i = 0; i < rn; ++i) {
-          const __m512 p = _mm512_set1_ps(sc[(r0 - r_begin + i) * nk + at]);
+          const __m512 p = _mm512_set1_ps(sc[(i0 + i) * nk + at]);
           for (int c = 0; c < C; ++c) o[i][c] = _mm512_fmadd_ps(p, vj[c], o[i][c]);
         }
       }
     }
     for (int i = 0; i < rn; ++i) {
-      const __m512 inv = _mm512_set1_ps(1.0f / sum[r0 - r_begin + i]);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(O + (r0 + i) * D + 16 * c, _mm512_mul_ps(o[i][c], inv));
+      const __m512 inv = _mm512_set1_ps(1.0f / sum[i0 + i]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(O + rows[i0 + i] * D + 16 * c, _mm512_mul_ps(o[i][c], inv));
     }
   }
 }
@@ -211,12 +246,12 @@ void head_group(const Geometry& s, const float* q, const typename E::T* k, const
 template <class E>
 void by_head_dim(int64_t D, const Geometry& s, const float* q, const typename E::T* k, const typename E::T* v,
                  const float* mask, float* out, int64_t b, int64_t g, int64_t r0, int64_t r1, std::vector<float>& sc,
-                 const std::vector<std::pair<int64_t, int64_t>>& spans) {
+                 const std::vector<std::pair<int64_t, int64_t>>& spans, const std::vector<int64_t>& single) {
   switch (D) {
-    case 16: head_group<1, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans); break;
-    case 32: head_group<2, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans); break;
-    case 64: head_group<4, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans); break;
-    default: head_group<8, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans);
+    case 16: head_group<1, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans, single); break;
+    case 32: head_group<2, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans, single); break;
+    case 64: head_group<4, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans, single); break;
+    default: head_group<8, E>(s, q, k, v, mask, out, b, g, r0, r1, sc, spans, single);
   }
 }
 
@@ -263,19 +298,21 @@ at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   at::parallel_for(0, pairs * n_blocks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> sc;
     std::vector<std::pair<int64_t, int64_t>> spans;
-    int64_t spans_of = -1;  // the batch row `spans` were found for (every key head of a row shares its mask)
+    std::vector<int64_t> single;
+    int64_t spans_of = -1;  // the batch row `spans` and `single` were found for (its key heads share its mask)
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pair = t / n_blocks, r0 = t % n_blocks * rows_per_block, r1 = std::min(R, r0 + rows_per_block);
       const int64_t b = pair / Hk, g = pair % Hk;
       if (b != spans_of) {
         live_spans(s, mp ? mp + b * s.mb : nullptr, spans);
+        single_keys(s, mp ? mp + b * s.mb : nullptr, single);
         spans_of = b;
       }
       if (bf16)
         by_head_dim<BF16>(D, s, qp, (const uint16_t*)k.data_ptr<at::BFloat16>(),
-                          (const uint16_t*)v.data_ptr<at::BFloat16>(), mp, op, b, g, r0, r1, sc, spans);
+                          (const uint16_t*)v.data_ptr<at::BFloat16>(), mp, op, b, g, r0, r1, sc, spans, single);
       else
-        by_head_dim<F32>(D, s, qp, k.data_ptr<float>(), v.data_ptr<float>(), mp, op, b, g, r0, r1, sc, spans);
+        by_head_dim<F32>(D, s, qp, k.data_ptr<float>(), v.data_ptr<float>(), mp, op, b, g, r0, r1, sc, spans, single);
     }
   });
   return out;

@@ -9,8 +9,9 @@
 // x (B, N, hidden) fp32 contiguous; per layer i: norms[2i], norms[2i+1] (the input and post-attention RMSNorm
 // weights, fp32), linears 4i..4i+3 (q|k|v, o, gate|up, down) as q4mm's (wp, sl, n_out, halves) and an
 // optional bias; cos, sin (B, N, head_dim); K[i], V[i] the layer's cache (B, Hk, capacity, head_dim); slots
-// (N,) int64; mask (B or 1, 1, N, n_keys) additive or None; taps: the layers whose input is an aux state.
-// Returns x after the last layer and the taps' inputs in the order asked.
+// (N,) int64; mask (B or 1, 1, N, n_keys) additive or None; taps: the layers whose input is an aux state;
+// rows (optional): the flat indices into B * N of the nodes the linears compute (a batch step's real nodes: a pad
+// node's linears give 0, and it sees only itself). Returns x after the last layer and the taps' inputs in order.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -30,10 +31,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl, int64_t n, int64_t halves,
-                const Opt& bias) {
+                const Opt& bias, const Opt& rows) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("dart_lab::q4mm", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
-  auto y = op.call(x, wp, sl, n, halves);
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                         const Opt&)>();
+  auto y = op.call(x, wp, sl, n, halves, rows);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -62,7 +64,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> q4_layers(
     const at::Tensor& x0, at::TensorList norms, double eps, at::TensorList wp, at::TensorList sl,
     at::IntArrayRef n_out, at::IntArrayRef halves, const c10::List<Opt>& bias, const at::Tensor& cos,
     const at::Tensor& sin, at::TensorList K, at::TensorList V, const at::Tensor& slots, const Opt& mask,
-    int64_t n_keys, double scale, int64_t H, int64_t Hk, at::IntArrayRef taps) {
+    int64_t n_keys, double scale, int64_t H, int64_t Hk, at::IntArrayRef taps, const Opt& rows) {
   const int64_t L = (int64_t)K.size();
   TORCH_CHECK(x0.dim() == 3 && x0.scalar_type() == at::kFloat && x0.is_contiguous(),
               "q4_layers: x must be a contiguous (B, N, hidden) float32 tensor");
@@ -76,7 +78,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> q4_layers(
     for (int64_t t : taps)
       if (t == i) tapped[i] = x;
     const auto lin = [&](const at::Tensor& in, int64_t j) {
-      return q4mm(in, wp[4 * i + j], sl[4 * i + j], n_out[4 * i + j], halves[4 * i + j], bias.get(4 * i + j));
+      return q4mm(in, wp[4 * i + j], sl[4 * i + j], n_out[4 * i + j], halves[4 * i + j], bias.get(4 * i + j), rows);
     };
     auto heads = lin(rms_norm(x, norms[2 * i], eps), 0).view({B, N, H + 2 * Hk, D});
     const auto q = rope_cache(heads, cos, sin, K[i], V[i], slots, H, Hk);
@@ -94,7 +96,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> q4_layers(
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
   m.def("q4_layers(Tensor x, Tensor[] norms, float eps, Tensor[] wp, Tensor[] sl, int[] n_out, int[] halves, "
         "Tensor?[] bias, Tensor cos, Tensor sin, Tensor(a!)[] K, Tensor(b!)[] V, Tensor slots, Tensor? mask, "
-        "int n_keys, float scale, int H, int Hk, int[] taps) -> (Tensor, Tensor[])");
+        "int n_keys, float scale, int H, int Hk, int[] taps, Tensor? rows=None) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {

@@ -233,12 +233,13 @@ int64_t q4mm_amx_rows(int64_t rows) {
   return previous;
 }
 
-// x (M, K) fp32 -> its bf16 rounding as pairs (M, K/2) and each group's sum of the rounded values (M, K/32)
+// x's rows (all M, or rows ri[0..M) where ri is given) fp32 -> their bf16 rounding as pairs (M, K/2) and each
+// group's sum of the rounded values (M, K/32)
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-void round_rows(const float* x, int64_t M, int64_t K, uint32_t* xp, float* xs) {
+void round_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_t* xp, float* xs) {
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < K / 32; ++g) {
-      const float* src = x + r * K + g * 32;
+      const float* src = x + (ri ? ri[r] : r) * K + g * 32;
       __m256bh a = _mm512_cvtneps_pbh(_mm512_loadu_ps(src));
       __m256bh c = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + 16));
       _mm256_storeu_si256((__m256i*)(xp + r * (K / 2) + g * 16), (__m256i)a);
@@ -249,8 +250,11 @@ void round_rows(const float* x, int64_t M, int64_t K, uint32_t* xp, float* xs) {
 }
 
 // halves > 1: W is an 8-bit grid held as 4-bit halves side by side along the inputs (q = 16 hi + lo), x of
-// K / halves inputs read as [x, x] (fast_llama.Int4Linear.of_8bit builds the same groups for torch's kernel)
-at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl, int64_t n, int64_t halves) {
+// K / halves inputs read as [x, x] (fast_llama.Int4Linear.of_8bit builds the same groups for torch's kernel).
+// rows (optional, int64): only these rows of x (flat indices) are computed, the others' outputs are 0 -- a batch
+// step's pad nodes cost no arithmetic; a row's numbers do not depend on the rows beside it.
+at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl, int64_t n, int64_t halves,
+                const c10::optional<at::Tensor>& rows) {
   // x (..., K): any leading shape, so a step's (B, N, K) activations need no reshape around the call
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "q4mm: x must be a contiguous (..., K) float32 CPU tensor");
@@ -259,21 +263,34 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
   TORCH_CHECK(K % 32 == 0 && n % 16 == 0, "q4mm: K must be a multiple of 32 and N of 16");
   TORCH_CHECK(wp.scalar_type() == at::kByte && wp.numel() == n * K / 2, "q4mm: wp is not (N/16, K/4, 32) uint8");
   TORCH_CHECK(sl.scalar_type() == at::kHalf && sl.numel() == n * K / 16, "q4mm: sl is not (N/16, K/32, 2, 16) fp16");
+  const bool some = rows.has_value() && rows->defined();
+  if (some)
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous() && rows->device().is_cpu(),
+                "q4mm: rows must be a 1-D int64 CPU tensor");
+  const int64_t* ri = some ? rows->data_ptr<int64_t>() : nullptr;
+  const int64_t Mc = some ? rows->numel() : M;  // rows computed
+  for (int64_t r = 0; r < (some ? Mc : 0); ++r) TORCH_CHECK(ri[r] >= 0 && ri[r] < M, "q4mm: a row index out of range");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   auto y = at::empty(shape, x.options());
-  if (M == 0) return y;
-  const bool amx = amx_from_rows > 0 && M >= amx_from_rows && amx_usable();
-  // the tiles read 16 rows at a time: rows past M are zeros (their sums are not kept)
-  std::vector<uint32_t> xp((amx && M > kAmxRows ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M) * K / 2);
-  std::vector<float> xs(M * K / 32);
-  if (halves == 1) {
-    round_rows(x.data_ptr<float>(), M, K, xp.data(), xs.data());
-  } else {
-    std::vector<uint32_t> hp(M * Kx / 2);
-    std::vector<float> hs(M * Kx / 32);
-    round_rows(x.data_ptr<float>(), M, Kx, hp.data(), hs.data());
+  if (some) {  // the rows not computed: 0
+    std::vector<char> computed(M, 0);
+    for (int64_t r = 0; r < Mc; ++r) computed[ri[r]] = 1;
     for (int64_t r = 0; r < M; ++r)
+      if (!computed[r]) std::fill_n(y.data_ptr<float>() + r * n, n, 0.0f);
+  }
+  if (Mc == 0) return y;
+  const bool amx = amx_from_rows > 0 && Mc >= amx_from_rows && amx_usable();
+  // the tiles read 16 rows at a time: rows past Mc are zeros (their sums are not kept)
+  std::vector<uint32_t> xp((amx && Mc > kAmxRows ? (Mc + kAmxRows - 1) / kAmxRows * kAmxRows : Mc) * K / 2);
+  std::vector<float> xs(Mc * K / 32);
+  if (halves == 1) {
+    round_rows(x.data_ptr<float>(), ri, Mc, K, xp.data(), xs.data());
+  } else {
+    std::vector<uint32_t> hp(Mc * Kx / 2);
+    std::vector<float> hs(Mc * Kx / 32);
+    round_rows(x.data_ptr<float>(), ri, Mc, Kx, hp.data(), hs.data());
+    for (int64_t r = 0; r < Mc; ++r)
       for (int64_t h = 0; h < halves; ++h) {
         std::copy_n(hp.data() + r * Kx / 2, Kx / 2, xp.data() + r * K / 2 + h * Kx / 2);
         std::copy_n(hs.data() + r * Kx / 32, Kx / 32, xs.data() + r * K / 32 + h * Kx / 32);
@@ -281,21 +298,24 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
   }
   const uint8_t* w = wp.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sl.data_ptr<at::Half>());
+  std::vector<float> yc(some ? Mc * n : 0);  // the computed rows, scattered to theirs in y below
+  float* yp = some ? yc.data() : y.data_ptr<float>();
   if (amx) {
-    q4_amx(xp.data(), xs.data(), w, s, y.data_ptr<float>(), M, K, n);
-    return y;
+    q4_amx(xp.data(), xs.data(), w, s, yp, Mc, K, n);
+  } else {
+    for (int64_t r = 0; r < Mc; r += kMaxRows) {
+      const int64_t m = std::min<int64_t>(kMaxRows, Mc - r);
+      kRows[m - 1](xp.data() + r * (K / 2), xs.data() + r * (K / 32), w, s, yp + r * n, K, n);
+    }
   }
-  for (int64_t r = 0; r < M; r += kMaxRows) {
-    const int64_t m = std::min<int64_t>(kMaxRows, M - r);
-    kRows[m - 1](xp.data() + r * (K / 2), xs.data() + r * (K / 32), w, s, y.data_ptr<float>() + r * n, K, n);
-  }
+  for (int64_t r = 0; r < (some ? Mc : 0); ++r) std::copy_n(yc.data() + r * n, n, y.data_ptr<float>() + ri[r] * n);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
-  m.def("q4mm(Tensor x, Tensor wp, Tensor sl, int n, int halves=1) -> Tensor");
+  m.def("q4mm(Tensor x, Tensor wp, Tensor sl, int n, int halves=1, Tensor? rows=None) -> Tensor");
   m.def("q4mm_amx_rows(int rows) -> int", &q4mm_amx_rows);
 }
 
