@@ -3,7 +3,8 @@
 
 Each step every live row drafts its own tree (its own drafter: DART's head and search, EAGLE-3's
 tree, a copy, or the root alone), the trees are verified in ONE forward of B x N_max nodes (rows padded
-to the step's largest tree), each row accepts its own path and compacts its own cache, and a row that
+to the step's largest tree; a pad node sees only itself, and the compact runner's 4-bit linears skip it), each
+row accepts its own path and compacts its own cache, and a row that
 finished leaves the batch (its cache rows are dropped, so it costs no more work). With `max_rows`
 (continuous batching, as a server runs) a waiting request takes the finished row's place: waiting
 requests are prefilled ahead, up to `max_rows` in one packed forward, and each joins as a place frees

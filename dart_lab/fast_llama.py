@@ -769,8 +769,9 @@ class FastTarget(Target):
     # into blocks over the threads; 9: it skips the keys every position of a row masks; 10: bf16 K/V caches; 11:
     # rotation and cache write in one op, csrc/rope.cpp; 12: the MLP's silu * up in one dispatch; 13: a step's
     # layers in one op where every linear takes our 4-bit kernel, csrc/layers.cpp; 14: a step's argmaxes and margins
-    # in one pass over the logits, a batch's compaction as plain copies, a prompt's rotation in one op)
-    runner_revision = 14
+    # in one pass over the logits, a batch's compaction as plain copies, a prompt's rotation in one op; 15: a batch
+    # step's pad nodes skipped by the linears and the attention kernel)
+    runner_revision = 15
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
