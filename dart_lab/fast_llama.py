@@ -778,8 +778,8 @@ class FastTarget(Target):
     # one more measured path; 7: the LM head's halves on it too; 8: 128 rows in the sweep, where prompts
     # of 100-200 tokens cross from 4 bits to bf16; 9: our kernel prefetches, several rows cheaper; 10: several
     # rows on AMX tiles where the CPU has them; 11: two groups at a time through two sets of tiles, AMX from 2 rows; 12:
-    # 1024 rows in the layers' sweep, a batch's prompts packed in one forward)
-    int4_revision = 12
+    # 1024 rows in the layers' sweep, a batch's prompts packed in one forward; 13: our kernel on CPUs with AVX2 only)
+    int4_revision = 13
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
     # arithmetic for AR and trees)

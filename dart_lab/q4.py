@@ -1,12 +1,13 @@
-"""A 4-bit weight-only matmul of our own (`dart_lab/csrc/q4mm.cpp`) for CPUs with AVX512-BF16: the same
-4-bit groups as `fast_llama.Int4Linear` (GGUF Q4_1: w = q * scale + low per 32 inputs), multiplied as
-bf16 lookups by x rounded to bf16 with fp32 sums. Faster than torch's int4 CPU kernel and closer to the
-weights (torch's rounds each group's scale and zero to bf16; this keeps the GGUF's own fp16 values).
-It is one more path `fast_llama.int4_by_rows` times per row count: taken only where it measures faster.
-On CPUs with AMX (Intel Xeon since Sapphire Rapids) steps of several rows multiply on the tile unit (`amx_rows`).
+"""A 4-bit weight-only matmul of our own (`dart_lab/csrc/q4mm.cpp`): the same 4-bit groups as
+`fast_llama.Int4Linear` (GGUF Q4_1: w = q * scale + low per 32 inputs), multiplied by x rounded to bf16 with
+fp32 sums -- bf16 lookups and VDPBF16PS on CPUs with AVX512-BF16, the 4-bit values widened to fp32 and FMAs on
+CPUs with AVX2 only (`avx2_path`). Faster than torch's int4 CPU kernel and closer to the weights (torch's
+rounds each group's scale and zero to bf16; this keeps the GGUF's own fp16 values). It is one more path
+`fast_llama.int4_by_rows` times per row count: taken only where it measures faster. On CPUs with AMX (Intel
+Xeon since Sapphire Rapids) steps of several rows multiply on the tile unit (`amx_rows`).
 
-Built on first use (`kernels.build`); where it cannot be built or the CPU lacks AVX512-BF16, `available()`
-is False and says why (`reason()`)."""
+Built on first use (`kernels.build`); where it cannot be built or the CPU lacks AVX2, FMA and F16C,
+`available()` is False and says why (`reason()`)."""
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,7 @@ def _register_fake():
 
 def reason() -> str | None:
     """Why the kernel is not available here (None when it is)."""
-    return kernels.reason(_state, "q4mm", {"avx512f", "avx512bw", "avx512_bf16", "f16c"}, _register_fake)
+    return kernels.reason(_state, "q4mm", {"avx2", "fma", "f16c"}, _register_fake)
 
 
 def available() -> bool:
@@ -36,6 +37,13 @@ def amx_rows(rows: int | None = None) -> int:
     where the CPU has no AMX-BF16 or Linux does not grant the tiles. rows: set it (the previous one is
     returned), for tests and A/B timings; the same products and fp32 sums either way."""
     return torch.ops.dart_lab.q4mm_amx_rows(-1 if rows is None else rows) if available() else -1
+
+
+def avx2_path(on: bool | None = None) -> bool:
+    """Whether the kernel takes its AVX2 path (the one a CPU without AVX512-BF16 has); on: force it or not, for
+    tests and A/B timings on a CPU that has both (the setting before is returned). The same y = bf16(x) W^T,
+    its sums in another order."""
+    return bool(torch.ops.dart_lab.q4mm_avx2(-1 if on is None else int(on))) if available() else False
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

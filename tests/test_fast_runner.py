@@ -356,18 +356,21 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
 def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
     """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = bf16(x) W^T with W = q * scale + low exactly, to
     fp32 rounding, for any row count (rows go through the kernel 8 at a time; on AMX tiles 16 at a time, both
-    paths checked where the CPU has AMX) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for
+    paths checked where the CPU has AMX; the AVX2 path 3 at a time, checked on every CPU) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for
     some rows only, those rows' numbers as computed alone and 0 for the others. `pack` refuses what the kernel
     cannot hold."""
     if not q4.available():
         pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
-    default = q4.amx_rows()
+    default, avx2 = q4.amx_rows(), q4.avx2_path()
     try:
         for amx in ([None] if default < 0 else [1, 1 << 30]):  # with AMX: every row count on the tiles, then none
             if amx is not None:
                 q4.amx_rows(amx)
             _q4_kernel_checks()
+        q4.avx2_path(True)  # the AVX2 path (a CPU without AVX512-BF16 takes it), here as well
+        _q4_kernel_checks()
     finally:
+        q4.avx2_path(avx2)
         if default >= 0:
             q4.amx_rows(default)
 
@@ -433,13 +436,13 @@ def test_int4_steps_on_our_kernel_are_the_grid_with_bf16_inputs(monkeypatch, tmp
 
 
 def test_int4_without_our_kernel_runs_on_torchs(monkeypatch, tmp_path):
-    """Where our kernel cannot be built (a CPU without AVX512-BF16, no compiler: `q4.reason()` says why), it is
+    """Where our kernel cannot be built (a CPU without AVX2 and F16C, no compiler: `q4.reason()` says why), it is
     never offered, however fast a clock would call it: every 4-bit linear takes torch's kernel, as the
     all-4-bit target does, with the same logits."""
     from dart_lab import fast_llama
     if not fast_llama.can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
-    monkeypatch.setitem(q4._state, "reason", "stand-in: this CPU lacks avx512_bf16")
+    monkeypatch.setitem(q4._state, "reason", "stand-in: this CPU lacks avx2")
     cost = {"int4": lambda r: r, "q4": lambda r: r / 10, "q4 halves": lambda r: r / 10, "fp16": lambda r: r,
             "fp32": lambda r: 4 + r / 8}  # wide forwards (the prompt) dense, as the all-4-bit target runs them
     model = _grid_model_on_clock(monkeypatch, tmp_path, cost)

@@ -1,5 +1,6 @@
 // dart_lab::q4mm -- y = x W^T for W held as 4-bit groups (w = q * scale + low per group of 32 inputs,
-// the layout of a GGUF Q4_1 block), on CPUs with AVX512-BF16. Built on first use (dart_lab/q4.py).
+// the layout of a GGUF Q4_1 block), on CPUs with AVX512-BF16, else with AVX2 + FMA (below). Built on first use
+// (dart_lab/q4.py).
 //
 // Why it is faster than torch's int4 CPU kernel: that kernel turns every weight into a float and applies
 // its group's scale and zero before multiplying (two FMAs a weight, the unpacking repeated for every 4
@@ -233,6 +234,118 @@ int64_t q4mm_amx_rows(int64_t rows) {
   return previous;
 }
 
+// ---- AVX2 + FMA (CPUs without AVX512-BF16): each quad's 4-bit values widened to fp32 (exact) and multiplied by
+// x rounded to bf16 (as above, so the product is exact in fp32) with FMAs, each group's sums scaled as above:
+// the same y = bf16(x) W^T to fp32 rounding, the sums in another order. Rows go 3 at a time (16 ymm registers:
+// two accumulators and two outputs a row).
+constexpr int kMaxRows2 = 3;
+
+template <int M>
+__attribute__((target("avx2,fma,f16c")))
+void q4_block_avx2(const float* xf, const float* xs, const uint8_t* wp, const uint16_t* sl, float* y,
+                   int64_t K, int64_t N, int64_t b) {
+  const int64_t G = K / 32, Q = K / 4;
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  // within each 128-bit lane: the even bytes (one input for 8 outputs), then the odd ones (the next input)
+  const __m256i deal = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  __m256 out[M][2];
+  for (int r = 0; r < M; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+  const uint8_t* wb = wp + b * Q * 32;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[M][2];
+    for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int t = 0; t < 8; ++t) {
+      const int64_t quad = g * 8 + t;
+      _mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + quad * 32));
+      const __m256i lo = _mm256_shuffle_epi8(_mm256_and_si256(v, nib), deal);  // inputs 4t, 4t + 1
+      const __m256i hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), deal);  // 4t + 2, 4t + 3
+      for (int u = 0; u < 4; ++u) {
+        const __m256i src = u < 2 ? lo : hi;
+        __m128i a = _mm256_castsi256_si128(src), c = _mm256_extracti128_si256(src, 1);  // outputs 0-7, 8-15
+        if (u & 1) {
+          a = _mm_srli_si128(a, 8);
+          c = _mm_srli_si128(c, 8);
+        }
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a)), w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+        for (int r = 0; r < M; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(xf + r * K + g * 32 + 4 * t + u);
+          acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+        }
+      }
+    }
+    const uint16_t* s = sl + ((b * G + g) * 2) * 16;
+    const __m256 scale[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)),
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 8)))};
+    const __m256 low[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 16))),
+                           _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 24)))};
+    for (int r = 0; r < M; ++r)
+      for (int h = 0; h < 2; ++h) {
+        out[r][h] = _mm256_fmadd_ps(acc[r][h], scale[h], out[r][h]);
+        out[r][h] = _mm256_fmadd_ps(low[h], _mm256_set1_ps(xs[r * G + g]), out[r][h]);
+      }
+  }
+  for (int r = 0; r < M; ++r) {
+    _mm256_storeu_ps(y + r * N + b * 16, out[r][0]);
+    _mm256_storeu_ps(y + r * N + b * 16 + 8, out[r][1]);
+  }
+}
+
+template <int M>
+void q4_rows_avx2(const float* xf, const float* xs, const uint8_t* wp, const uint16_t* sl, float* y, int64_t K,
+                  int64_t N) {
+  at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) q4_block_avx2<M>(xf, xs, wp, sl, y, K, N, b);
+  });
+}
+
+using Rows2Fn = void (*)(const float*, const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t);
+constexpr Rows2Fn kRows2[kMaxRows2] = {q4_rows_avx2<1>, q4_rows_avx2<2>, q4_rows_avx2<3>};
+
+// x's rows (all M, or rows ri[0..M)) fp32 -> their bf16 rounding as fp32 numbers (M, K; round to nearest even,
+// as VCVTNEPS2BF16) and each group's sum of the rounded values (M, K/32)
+__attribute__((target("avx2,fma")))
+void round_rows_avx2(const float* x, const int64_t* ri, int64_t M, int64_t K, float* xf, float* xs) {
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), top = _mm256_set1_epi32((int)0xffff0000u);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* src = x + (ri ? ri[r] : r) * K;
+    for (int64_t g = 0; g < K / 32; ++g) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int j = 0; j < 32; j += 8) {
+        const __m256i v = _mm256_castps_si256(_mm256_loadu_ps(src + g * 32 + j));
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(v, 16), one);
+        const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(v, _mm256_add_epi32(half, lsb)), top));
+        _mm256_storeu_ps(xf + r * K + g * 32 + j, rounded);
+        sum = _mm256_add_ps(sum, rounded);
+      }
+      alignas(32) float part[8];
+      _mm256_store_ps(part, sum);
+      xs[r * (K / 32) + g] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    }
+  }
+}
+
+// whether the CPU multiplies bf16 pairs (AVX512-BF16: VDPBF16PS); else the AVX2 path
+bool bf16_dot_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    return ((a >> 5) & 1) != 0;
+  }();
+  return ok;
+}
+
+bool avx2_forced = false;  // the AVX2 path on a CPU that has the other (tests and A/B timings)
+
+int64_t q4mm_avx2(int64_t on) {
+  // on >= 0: force the AVX2 path (1) or not (0); returns the setting before (1 where the CPU offers no other)
+  const int64_t previous = (avx2_forced || !bf16_dot_usable()) ? 1 : 0;
+  if (on >= 0) avx2_forced = on != 0;
+  return previous;
+}
+
 // x's rows (all M, or rows ri[0..M) where ri is given) fp32 -> their bf16 rounding as pairs (M, K/2) and each
 // group's sum of the rounded values (M, K/32)
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -280,6 +393,25 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
       if (!computed[r]) std::fill_n(y.data_ptr<float>() + r * n, n, 0.0f);
   }
   if (Mc == 0) return y;
+  if (avx2_forced || !bf16_dot_usable()) {  // x's rounding as fp32 numbers, [x, x] for halves
+    std::vector<float> xf(Mc * K), xs(Mc * K / 32), hf(halves > 1 ? Mc * Kx : 0), hs(halves > 1 ? Mc * Kx / 32 : 0);
+    round_rows_avx2(x.data_ptr<float>(), ri, Mc, Kx, halves > 1 ? hf.data() : xf.data(), halves > 1 ? hs.data() : xs.data());
+    for (int64_t r = 0; r < (halves > 1 ? Mc : 0); ++r)
+      for (int64_t h = 0; h < halves; ++h) {
+        std::copy_n(hf.data() + r * Kx, Kx, xf.data() + r * K + h * Kx);
+        std::copy_n(hs.data() + r * Kx / 32, Kx / 32, xs.data() + r * K / 32 + h * Kx / 32);
+      }
+    std::vector<float> yc(some ? Mc * n : 0);
+    float* yp = some ? yc.data() : y.data_ptr<float>();
+    const uint8_t* w = wp.data_ptr<uint8_t>();
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(sl.data_ptr<at::Half>());
+    for (int64_t r = 0; r < Mc; r += kMaxRows2) {
+      const int64_t m = std::min<int64_t>(kMaxRows2, Mc - r);
+      kRows2[m - 1](xf.data() + r * K, xs.data() + r * (K / 32), w, s, yp + r * n, K, n);
+    }
+    for (int64_t r = 0; r < (some ? Mc : 0); ++r) std::copy_n(yc.data() + r * n, n, y.data_ptr<float>() + ri[r] * n);
+    return y;
+  }
   const bool amx = amx_from_rows > 0 && Mc >= amx_from_rows && amx_usable();
   // the tiles read 16 rows at a time: rows past Mc are zeros (their sums are not kept)
   std::vector<uint32_t> xp((amx && Mc > kAmxRows ? (Mc + kAmxRows - 1) / kAmxRows * kAmxRows : Mc) * K / 2);
@@ -317,6 +449,7 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
   m.def("q4mm(Tensor x, Tensor wp, Tensor sl, int n, int halves=1, Tensor? rows=None) -> Tensor");
   m.def("q4mm_amx_rows(int rows) -> int", &q4mm_amx_rows);
+  m.def("q4mm_avx2(int on) -> int", &q4mm_avx2);
 }
 
 TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {

@@ -5,7 +5,9 @@ count, median of 7 interleaved rounds; and each path's max error against bf16(x)
 `--steps`: eager one-token steps of the 4-bit target after a 150-token prompt, in one process, alternating
 torch's kernel at every width (`int4_paths` "4bit", LM head fp16) and the measured tables (ours where it won).
 
-    python experiments/engine/q4_kernel.py [--rows 1,2,4,8,16,64] [--steps]
+    python experiments/engine/q4_kernel.py [--rows 1,2,4,8,16,64] [--steps] [--avx2]
+
+`--avx2`: our kernel's AVX2 path (`q4.avx2_path`, what a CPU without AVX512-BF16 takes) as one more side.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,64")
     ap.add_argument("--steps", action="store_true", help="one-token steps, torch's kernel against the tables")
+    ap.add_argument("--avx2", action="store_true", help="our kernel's AVX2 path as one more side")
     args = ap.parse_args(argv)
     if not q4.available():
         print(f"our kernel is not available here: {q4.reason()}")
@@ -81,10 +84,18 @@ def main(argv=None) -> int:
     head = (hw, Int4Linear.of_8bit(model.lm_head, groups=g8),
             q4.Q4Linear.of_groups(Int4Linear.halves_of(*g8), halves=2),
             PackedLinear(SimpleNamespace(weight=hw.to(torch.bfloat16), bias=None)))
-    names = ("torch int4", "ours", "bf16")
+    names = ("torch int4", "ours") + (("ours AVX2",) if args.avx2 else ()) + ("bf16",)
+    avx2 = q4.avx2_path()
 
-    def call(lin, i, x):
-        return lin[i + 1](x) if i < 2 else lin[i + 1](x.to(torch.bfloat16)).float()  # lin[0]: the weight
+    def call(lin, i, x):  # lin: (the weight, torch int4, ours, bf16 copy)
+        n = names[i]
+        if n == "ours AVX2":
+            q4.avx2_path(True)
+            try:
+                return lin[2](x)
+            finally:
+                q4.avx2_path(avx2)
+        return lin[3](x.to(torch.bfloat16)).float() if n == "bf16" else lin[1 if n == "torch int4" else 2](x)
 
     g = torch.Generator().manual_seed(0)
     for what, lins in (("30 layers' linears", layers), ("LM head (Q8_0)", [head])):
@@ -95,7 +106,7 @@ def main(argv=None) -> int:
 
         errs = {n: max(err(lin, i) for lin in lins) for i, n in enumerate(names)}
         print(f"\n{what}: max |y - bf16(x) W^T| " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
-        print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | ours / torch int4 |\n|---|---|---|---|---|")
+        print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | ours / torch int4 |\n" + "|---" * (len(names) + 2) + "|")
         for r in (int(v) for v in args.rows.split(",")):
             xs = {n: torch.randn(r, n, generator=g) for n in x1}
             got = {n: [] for n in names}
