@@ -356,7 +356,7 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
 def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
     """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = bf16(x) W^T with W = q * scale + low exactly, to
     fp32 rounding, for any row count (rows go through the kernel 8 at a time; on AMX tiles 16 at a time, both
-    paths checked where the CPU has AMX; the AVX2 path 3 at a time, checked on every CPU) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for
+    paths checked where the CPU has AMX; the AVX2 path 6 at a time, checked on every CPU) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for
     some rows only, those rows' numbers as computed alone and 0 for the others. `pack` refuses what the kernel
     cannot hold."""
     if not q4.available():

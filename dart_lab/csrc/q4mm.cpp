@@ -236,9 +236,10 @@ int64_t q4mm_amx_rows(int64_t rows) {
 
 // ---- AVX2 + FMA (CPUs without AVX512-BF16): each quad's 4-bit values widened to fp32 (exact) and multiplied by
 // x rounded to bf16 (as above, so the product is exact in fp32) with FMAs, each group's sums scaled as above:
-// the same y = bf16(x) W^T to fp32 rounding, the sums in another order. Rows go 3 at a time (16 ymm registers:
-// two accumulators and two outputs a row).
-constexpr int kMaxRows2 = 3;
+// the same y = bf16(x) W^T to fp32 rounding, the sums in another order. Rows go 6 at a time: each row's group
+// sums in two ymm registers (16 in all); up to 3 rows their outputs in registers too, else in memory, scaled
+// into once a group.
+constexpr int kMaxRows2 = 6;
 
 template <int M>
 __attribute__((target("avx2,fma,f16c")))
@@ -249,8 +250,10 @@ void q4_block_avx2(const float* xf, const float* xs, const uint8_t* wp, const ui
   // within each 128-bit lane: the even bytes (one input for 8 outputs), then the odd ones (the next input)
   const __m256i deal = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  __m256 out[M][2];
-  for (int r = 0; r < M; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+  constexpr bool held = M <= 3;  // outputs in registers
+  alignas(32) float out[M][16] = {};
+  __m256 reg[held ? M : 1][2];
+  for (int r = 0; r < (held ? M : 0); ++r) reg[r][0] = reg[r][1] = _mm256_setzero_ps();
   const uint8_t* wb = wp + b * Q * 32;
   for (int64_t g = 0; g < G; ++g) {
     __m256 acc[M][2];
@@ -283,14 +286,19 @@ void q4_block_avx2(const float* xf, const float* xs, const uint8_t* wp, const ui
                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 24)))};
     for (int r = 0; r < M; ++r)
       for (int h = 0; h < 2; ++h) {
-        out[r][h] = _mm256_fmadd_ps(acc[r][h], scale[h], out[r][h]);
-        out[r][h] = _mm256_fmadd_ps(low[h], _mm256_set1_ps(xs[r * G + g]), out[r][h]);
+        const __m256 o = _mm256_fmadd_ps(acc[r][h], scale[h], held ? reg[held ? r : 0][h] : _mm256_load_ps(out[r] + 8 * h));
+        const __m256 v = _mm256_fmadd_ps(low[h], _mm256_set1_ps(xs[r * G + g]), o);
+        if (held)
+          reg[held ? r : 0][h] = v;
+        else
+          _mm256_store_ps(out[r] + 8 * h, v);
       }
   }
-  for (int r = 0; r < M; ++r) {
-    _mm256_storeu_ps(y + r * N + b * 16, out[r][0]);
-    _mm256_storeu_ps(y + r * N + b * 16 + 8, out[r][1]);
+  for (int r = 0; r < (held ? M : 0); ++r) {
+    _mm256_store_ps(out[r], reg[r][0]);
+    _mm256_store_ps(out[r] + 8, reg[r][1]);
   }
+  for (int r = 0; r < M; ++r) std::copy_n(out[r], 16, y + r * N + b * 16);
 }
 
 template <int M>
@@ -302,7 +310,8 @@ void q4_rows_avx2(const float* xf, const float* xs, const uint8_t* wp, const uin
 }
 
 using Rows2Fn = void (*)(const float*, const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t);
-constexpr Rows2Fn kRows2[kMaxRows2] = {q4_rows_avx2<1>, q4_rows_avx2<2>, q4_rows_avx2<3>};
+constexpr Rows2Fn kRows2[kMaxRows2] = {q4_rows_avx2<1>, q4_rows_avx2<2>, q4_rows_avx2<3>,
+                                      q4_rows_avx2<4>, q4_rows_avx2<5>, q4_rows_avx2<6>};
 
 // x's rows (all M, or rows ri[0..M)) fp32 -> their bf16 rounding as fp32 numbers (M, K; round to nearest even,
 // as VCVTNEPS2BF16) and each group's sum of the rounded values (M, K/32)

@@ -4,7 +4,9 @@ the embedded target's 120 decoder linear shapes (random 4-bit groups: the kernel
 values), the two alternating over 7 rounds, median of each round's fastest of 3. Each revision takes its own
 path for a row count (AVX-512 or AMX tiles, by its own threshold); outputs are compared bit for bit first.
 
-    python experiments/engine/q4_rev_ab.py --rev HEAD~1 [--rows 1,2,3,4,5,8,16,32]
+    python experiments/engine/q4_rev_ab.py --rev HEAD~1 [--rows 1,2,3,4,5,8,16,32] [--avx2]
+
+`--avx2`: both builds forced onto their AVX2 path (`q4.avx2_path`, what a CPU without AVX512-BF16 takes).
 """
 from __future__ import annotations
 
@@ -24,11 +26,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", required=True)
     ap.add_argument("--rows", default="1,2,3,4,5,8,16,32")
+    ap.add_argument("--avx2", action="store_true", help="both builds on their AVX2 path (q4.avx2_path)")
     args = ap.parse_args(argv)
     if not q4.available():
         print(f"our 4-bit kernel is not built here: {q4.reason()}")
         return 1
-    ops = {args.rev: ops_at("q4mm", args.rev).q4mm, "now": torch.ops.dart_lab.q4mm}
+    rev = ops_at("q4mm", args.rev)
+    ops = {args.rev: rev.q4mm, "now": torch.ops.dart_lab.q4mm}
+    if args.avx2:
+        rev.q4mm_avx2(1)
+        q4.avx2_path(True)
     g = torch.Generator().manual_seed(0)
     weights = q4_weights(g)
     rows = [int(r) for r in args.rows.split(",")]
