@@ -251,17 +251,6 @@ class BatchTarget:
         self._pending = 0
 
     @torch.no_grad()
-    def admit(self, prompts: list[torch.Tensor], want_aux: bool = False) -> BatchOutput:
-        """Add rows for `prompts` (each (T_b,)) after the running batch's rows: prefilled as a batch of their
-        own, then joined (`join`). Returns their prefill output, as `prefill` does."""
-        if not self.lens:
-            return self.prefill(prompts, want_aux)
-        staged = BatchTarget(self.target, self.capacity_step, self.pack_tokens)
-        out = staged.prefill(prompts, want_aux)
-        self.join(staged, list(range(len(prompts))))
-        return out
-
-    @torch.no_grad()
     def join(self, other: "BatchTarget", rows: list[int]) -> None:
         """Append `other`'s rows `rows` (indices into its batch, e.g. prompts prefilled ahead of time) after
         this batch's rows (continuous batching: a finished row's place goes to a waiting request). The fast
