@@ -473,7 +473,7 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
     bt = BatchTarget(target, rows_room=width)
     live: list[int] = []  # rows decoding, in the batch's row order
     waiting = list(range(B))
-    staged: list = [None]  # the BatchTarget of the prompts prefilled ahead
+    staged: BatchTarget | None = None  # the prompts prefilled ahead
     queue: list[tuple[int, int]] = []  # (its row, our row) of those waiting for a place, in order
     theta = None
 
@@ -483,23 +483,24 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
         row's first new token taken (its first tree root) and its drafter begun; they join the batch as places
         free (`BatchTarget.join`: their K/V copied in). A row finished by its first token never joins.
         Returns the seconds it took."""
+        nonlocal staged
         sync(dev)
         t = time.perf_counter()
         if not queue:
             take = waiting[:width]
             del waiting[:len(take)]
-            staged[0] = BatchTarget(target)
-            out = staged[0].prefill([rows[b].prompt for b in take], want_aux=want_aux)
+            staged = BatchTarget(target)
+            out = staged.prefill([rows[b].prompt for b in take], want_aux=want_aux)
             for j, b in enumerate(take):
                 row = rows[b]
                 first = _first_token(out.logits[j][-1], cfg, row.gen)
                 row.ids, row.new, row.margins = row.prompt.tolist() + [first], [first], _margins(out.logits[j][-1:])
                 row.drafter.begin(target, row.ids, out.aux[j] if want_aux else None)
-                if not _finished(row, row.new, staged[0].lens[j], target, cfg):
+                if not _finished(row, row.new, staged.lens[j], target, cfg):
                     queue.append((j, b))
         join = queue[:width - len(live)]
         del queue[:len(join)]
-        bt.join(staged[0], [j for j, _ in join])
+        bt.join(staged, [j for j, _ in join])
         for _, b in join:
             if theta:
                 rows[b].drafter.set_budget(theta)

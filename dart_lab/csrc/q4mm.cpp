@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cpuid.h>
 #include <cstdint>
+#include <cstring>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <vector>
@@ -250,10 +251,10 @@ void q4_block_avx2(const float* xf, const float* xs, const uint8_t* wp, const ui
   // within each 128-bit lane: the even bytes (one input for 8 outputs), then the odd ones (the next input)
   const __m256i deal = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  constexpr bool held = M <= 3;  // outputs in registers
+  constexpr bool held = M <= 3;  // outputs in registers (reg), else in memory (out)
   alignas(32) float out[M][16] = {};
-  __m256 reg[held ? M : 1][2];
-  for (int r = 0; r < (held ? M : 0); ++r) reg[r][0] = reg[r][1] = _mm256_setzero_ps();
+  __m256 reg[M][2];
+  for (int r = 0; r < M; ++r) reg[r][0] = reg[r][1] = _mm256_setzero_ps();
   const uint8_t* wb = wp + b * Q * 32;
   for (int64_t g = 0; g < G; ++g) {
     __m256 acc[M][2];
@@ -286,18 +287,17 @@ void q4_block_avx2(const float* xf, const float* xs, const uint8_t* wp, const ui
                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 24)))};
     for (int r = 0; r < M; ++r)
       for (int h = 0; h < 2; ++h) {
-        const __m256 o = _mm256_fmadd_ps(acc[r][h], scale[h], held ? reg[held ? r : 0][h] : _mm256_load_ps(out[r] + 8 * h));
-        const __m256 v = _mm256_fmadd_ps(low[h], _mm256_set1_ps(xs[r * G + g]), o);
-        if (held)
-          reg[held ? r : 0][h] = v;
-        else
-          _mm256_store_ps(out[r] + 8 * h, v);
+        const __m256 o = held ? reg[r][h] : _mm256_load_ps(out[r] + 8 * h);
+        const __m256 v = _mm256_fmadd_ps(low[h], _mm256_set1_ps(xs[r * G + g]), _mm256_fmadd_ps(acc[r][h], scale[h], o));
+        if constexpr (held) reg[r][h] = v;
+        else _mm256_store_ps(out[r] + 8 * h, v);
       }
   }
-  for (int r = 0; r < (held ? M : 0); ++r) {
-    _mm256_store_ps(out[r], reg[r][0]);
-    _mm256_store_ps(out[r] + 8, reg[r][1]);
-  }
+  if constexpr (held)
+    for (int r = 0; r < M; ++r) {
+      _mm256_store_ps(out[r], reg[r][0]);
+      _mm256_store_ps(out[r] + 8, reg[r][1]);
+    }
   for (int r = 0; r < M; ++r) std::copy_n(out[r], 16, y + r * N + b * 16);
 }
 
@@ -371,6 +371,15 @@ void round_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_
   }
 }
 
+// rows of `width` written at the front of buf (M x width) -> each repeated `halves` times side by side (M x
+// halves width), in place from the last row back (a row's first copy may overlap where it was read from)
+template <class T>
+void spread_halves(T* buf, int64_t M, int64_t width, int64_t halves) {
+  if (halves == 1) return;
+  for (int64_t r = M - 1; r >= 0; --r)
+    for (int64_t h = halves - 1; h >= 0; --h) std::memmove(buf + (r * halves + h) * width, buf + r * width, width * sizeof(T));
+}
+
 // halves > 1: W is an 8-bit grid held as 4-bit halves side by side along the inputs (q = 16 hi + lo), x of
 // K / halves inputs read as [x, x] (fast_llama.Int4Linear.of_8bit builds the same groups for torch's kernel).
 // rows (optional, int64): only these rows of x (flat indices) are computed, the others' outputs are 0 -- a batch
@@ -402,51 +411,34 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
       if (!computed[r]) std::fill_n(y.data_ptr<float>() + r * n, n, 0.0f);
   }
   if (Mc == 0) return y;
-  if (avx2_forced || !bf16_dot_usable()) {  // x's rounding as fp32 numbers, [x, x] for halves
-    std::vector<float> xf(Mc * K), xs(Mc * K / 32), hf(halves > 1 ? Mc * Kx : 0), hs(halves > 1 ? Mc * Kx / 32 : 0);
-    round_rows_avx2(x.data_ptr<float>(), ri, Mc, Kx, halves > 1 ? hf.data() : xf.data(), halves > 1 ? hs.data() : xs.data());
-    for (int64_t r = 0; r < (halves > 1 ? Mc : 0); ++r)
-      for (int64_t h = 0; h < halves; ++h) {
-        std::copy_n(hf.data() + r * Kx, Kx, xf.data() + r * K + h * Kx);
-        std::copy_n(hs.data() + r * Kx / 32, Kx / 32, xs.data() + r * K / 32 + h * Kx / 32);
-      }
-    std::vector<float> yc(some ? Mc * n : 0);
-    float* yp = some ? yc.data() : y.data_ptr<float>();
-    const uint8_t* w = wp.data_ptr<uint8_t>();
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(sl.data_ptr<at::Half>());
-    for (int64_t r = 0; r < Mc; r += kMaxRows2) {
-      const int64_t m = std::min<int64_t>(kMaxRows2, Mc - r);
-      kRows2[m - 1](xf.data() + r * K, xs.data() + r * (K / 32), w, s, yp + r * n, K, n);
-    }
-    for (int64_t r = 0; r < (some ? Mc : 0); ++r) std::copy_n(yc.data() + r * n, n, y.data_ptr<float>() + ri[r] * n);
-    return y;
-  }
-  const bool amx = amx_from_rows > 0 && Mc >= amx_from_rows && amx_usable();
-  // the tiles read 16 rows at a time: rows past Mc are zeros (their sums are not kept)
-  std::vector<uint32_t> xp((amx && Mc > kAmxRows ? (Mc + kAmxRows - 1) / kAmxRows * kAmxRows : Mc) * K / 2);
-  std::vector<float> xs(Mc * K / 32);
-  if (halves == 1) {
-    round_rows(x.data_ptr<float>(), ri, Mc, K, xp.data(), xs.data());
-  } else {
-    std::vector<uint32_t> hp(Mc * Kx / 2);
-    std::vector<float> hs(Mc * Kx / 32);
-    round_rows(x.data_ptr<float>(), ri, Mc, Kx, hp.data(), hs.data());
-    for (int64_t r = 0; r < Mc; ++r)
-      for (int64_t h = 0; h < halves; ++h) {
-        std::copy_n(hp.data() + r * Kx / 2, Kx / 2, xp.data() + r * K / 2 + h * Kx / 2);
-        std::copy_n(hs.data() + r * Kx / 32, Kx / 32, xs.data() + r * K / 32 + h * Kx / 32);
-      }
-  }
   const uint8_t* w = wp.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sl.data_ptr<at::Half>());
   std::vector<float> yc(some ? Mc * n : 0);  // the computed rows, scattered to theirs in y below
   float* yp = some ? yc.data() : y.data_ptr<float>();
-  if (amx) {
-    q4_amx(xp.data(), xs.data(), w, s, yp, Mc, K, n);
+  std::vector<float> xs(Mc * K / 32);
+  if (avx2_forced || !bf16_dot_usable()) {  // x's rounding as fp32 numbers
+    std::vector<float> xf(Mc * K);
+    round_rows_avx2(x.data_ptr<float>(), ri, Mc, Kx, xf.data(), xs.data());
+    spread_halves(xf.data(), Mc, Kx, halves);
+    spread_halves(xs.data(), Mc, Kx / 32, halves);
+    for (int64_t r = 0; r < Mc; r += kMaxRows2) {
+      const int64_t m = std::min<int64_t>(kMaxRows2, Mc - r);
+      kRows2[m - 1](xf.data() + r * K, xs.data() + r * (K / 32), w, s, yp + r * n, K, n);
+    }
   } else {
-    for (int64_t r = 0; r < Mc; r += kMaxRows) {
-      const int64_t m = std::min<int64_t>(kMaxRows, Mc - r);
-      kRows[m - 1](xp.data() + r * (K / 2), xs.data() + r * (K / 32), w, s, yp + r * n, K, n);
+    const bool amx = amx_from_rows > 0 && Mc >= amx_from_rows && amx_usable();
+    // the tiles read 16 rows at a time: rows past Mc are zeros (their sums are not kept)
+    std::vector<uint32_t> xp((amx && Mc > kAmxRows ? (Mc + kAmxRows - 1) / kAmxRows * kAmxRows : Mc) * K / 2);
+    round_rows(x.data_ptr<float>(), ri, Mc, Kx, xp.data(), xs.data());
+    spread_halves(xp.data(), Mc, Kx / 2, halves);
+    spread_halves(xs.data(), Mc, Kx / 32, halves);
+    if (amx) {
+      q4_amx(xp.data(), xs.data(), w, s, yp, Mc, K, n);
+    } else {
+      for (int64_t r = 0; r < Mc; r += kMaxRows) {
+        const int64_t m = std::min<int64_t>(kMaxRows, Mc - r);
+        kRows[m - 1](xp.data() + r * (K / 2), xs.data() + r * (K / 32), w, s, yp + r * n, K, n);
+      }
     }
   }
   for (int64_t r = 0; r < (some ? Mc : 0); ++r) std::copy_n(yc.data() + r * n, n, y.data_ptr<float>() + ri[r] * n);
