@@ -86,6 +86,45 @@ def prepare(heads: int, kv_heads: int, head_dim: int, device: torch.device, kv_d
     return best
 
 
+@torch.no_grad()
+def prompt_dtype(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> torch.dtype:
+    """The dtype a prompt's causal attention computes in where its K/V cache is bf16: bf16 where torch's SDPA
+    measured faster so than in fp32 on this CPU (bf16 matrix units: about half the time), else fp32 -- the
+    keys and values are then the cache's own bf16 values, those every later step reads. Measured once per
+    process and head geometry: 8 layers' attention over a 128-token prompt, both interleaved, the faster of 4
+    rounds each."""
+    key = ("prompt", heads, kv_heads, head_dim)
+    if key in _state:
+        return _state[key]
+    if torch.device(device).type != "cpu":
+        return torch.float32
+    g = torch.Generator().manual_seed(0)
+    qkv = [(torch.randn(1, heads, 128, head_dim, generator=g), torch.randn(1, kv_heads, 128, head_dim, generator=g),
+            torch.randn(1, kv_heads, 128, head_dim, generator=g)) for _ in range(8)]
+    times = {}
+    for dt in (torch.float32, torch.bfloat16):
+        args = [tuple(t.to(dt) for t in x) for x in qkv]
+        times[dt] = (lambda args: lambda: [_sdpa(q, k, v, None, 128, 0.125, True) for q, k, v in args])(args)
+    best = {dt: float("inf") for dt in times}
+    for r in range(5):
+        for dt, f in times.items():
+            t0 = time.perf_counter()
+            f()
+            if r:  # round 0 warms up
+                best[dt] = min(best[dt], time.perf_counter() - t0)
+    _state[key] = torch.bfloat16 if best[torch.bfloat16] < best[torch.float32] else torch.float32
+    return _state[key]
+
+
+def override_prompt(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype | None) -> None:
+    """Take `dtype` for a prompt's attention on bf16 copies with this head geometry, or None: forget it, so
+    the next `prompt_dtype` measures again -- for A/B timings and tests."""
+    if dtype is None:
+        _state.pop(("prompt", heads, kv_heads, head_dim), None)
+    else:
+        _state[("prompt", heads, kv_heads, head_dim)] = dtype
+
+
 def override(heads: int, kv_heads: int, head_dim: int, nodes: int | None) -> None:
     """Take our kernel up to `nodes` nodes a row for this head geometry, either cache dtype (0: SDPA for every
     step), or None: forget it, so the next `prepare` measures again -- for A/B timings and tests. A compiled

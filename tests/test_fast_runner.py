@@ -257,6 +257,69 @@ def _grid_model_on_clock(monkeypatch, tmp_path, cost: dict, arch: str = "llama")
     return model
 
 
+def test_a_prompt_on_bf16_copies_attends_in_bf16_where_that_measures_faster(monkeypatch, tmp_path):
+    """A prompt whose MLP takes the bf16 copies (`int4_by_rows`, here a stand-in clock where they win from 8 rows)
+    attends in bf16 when `attention.prompt_dtype` measured it faster (forced here both ways): SDPA sees bf16
+    queries, keys and values, the logits stay within bf16 arithmetic of the fp32-attention prompt's with the
+    same argmax; a prompt on the dense fp32 weights ("4bit": prompts dense) keeps fp32 attention, exactly."""
+    from dart_lab import attention, fast_llama
+    if not fast_llama.can_int4(torch.device("cpu")) or not fast_llama.can_pack(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no CPU int4 kernel or no packed bf16 here")
+    cost = {"int4": lambda r: r, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5, "bf16": lambda r: 4 + r / 8,
+            "bf16 packed": lambda r: 4 + r / 8}
+    model = _grid_model_on_clock(monkeypatch, tmp_path, cost)
+    dense, measured = make_target(model, runner="fast"), make_target(model, runner="fast")
+    measured.weights = "int4"
+    measured._int4()
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2, 7, 11])
+    geometry, seen = (measured.n_heads, measured.n_kv, measured.head_dim), []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **k: seen.append(q.dtype) or sdpa(q, *a, **k))
+    out = {}
+    try:
+        for dt in (torch.float32, torch.bfloat16):
+            attention.override_prompt(*geometry, dt)
+            seen.clear()
+            out[dt] = measured.prefill(prompt).logits
+            assert set(seen) == {dt}
+            measured.weights, measured.int4_paths = "int4", "4bit"  # prompts on the dense fp32 weights
+            seen.clear()
+            torch.testing.assert_close(measured.prefill(prompt).logits, dense.prefill(prompt).logits, atol=0, rtol=0)
+            assert set(seen) <= {torch.float32}
+            measured.int4_paths = "measured"
+    finally:
+        attention.override_prompt(*geometry, None)
+    assert not torch.equal(out[torch.bfloat16], out[torch.float32])
+    torch.testing.assert_close(out[torch.bfloat16], out[torch.float32], atol=0.05, rtol=0.02)
+    assert torch.equal(out[torch.bfloat16].argmax(-1), out[torch.float32].argmax(-1))
+
+
+def test_a_path_table_times_a_stalled_reading_again(monkeypatch):
+    """`fastest_by_rows`: a median out of proportion with its path's previous one (a stall while it was timed)
+    is timed again, so one bad moment does not hand a prompt's rows to a slower path; a path that really costs
+    that much at those rows keeps its reading."""
+    from dart_lab import fast_llama
+    calls = {}
+
+    def clock(name, fn, x):  # "narrow" costs 1 + r/3, "wide" 2 + r/4; at 1024 rows "wide" stalls for `stalled` calls
+        r = x.shape[0]
+        calls[(name, r)] = calls.get((name, r), 0) + 1
+        if name == "narrow":
+            return 1 + r / 3
+        return 1e5 if r == 1024 and calls[(name, r)] <= stalled else 2 + r / 4
+
+    monkeypatch.setattr(fast_llama, "_time_path", clock)
+    paths = {"narrow": [lambda x: x], "wide": [lambda x: x]}
+    for stalled, timed, want in ((0, 5, ((1, "narrow"), (256, "wide"))),
+                                 (5, 10, ((1, "narrow"), (256, "wide"))),  # one sweep stalled: timed again
+                                 (99, 15, ((1, "narrow"), (256, "wide"), (1024, "narrow")))):  # always: kept
+        calls.clear()
+        table, times = fast_llama.fastest_by_rows(paths, 4, torch.float32, (1, 2, 8, 256, 1024))
+        assert table == want and calls[("wide", 1024)] == timed
+        assert times[1024]["wide"] == (1e5 if stalled == 99 else 258.0)
+
+
 def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, tmp_path):
     """int4_paths "measured" (`fast_llama.int4_by_rows`): each linear runs, per row count, the path timed
     fastest -- here a stand-in clock where 4 bits cost r and the dense weights 4 + r/8 -- so narrow steps

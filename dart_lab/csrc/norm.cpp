@@ -4,9 +4,11 @@
 // the arithmetic (docs/speed.md). dart_lab::silu_mul -- the MLP's silu(gate) * up from the fused gate|up
 // projection's output, torch's own silu and mul called from here: the same numbers, one dispatch from Python
 // instead of three (chunk, silu, mul) a layer. dart_lab::silu_mul_bf16 -- the same from a bf16 gate|up to a bf16
-// result (a prompt's MLP on bf16 copies of the weights): each block of rows widened exactly, torch's fp32 silu and
-// mul, rounded once as a cast does -- the numbers of .float(), silu_mul, .to(bf16), without the full fp32
-// intermediates (a packed batch of prompts: tens of MB a layer written and read back). dart_lab::top2 -- each
+// result (a prompt's MLP on bf16 copies of the weights) in one pass: each value widened exactly, torch's fp32 silu
+// as its CPU kernel computes it (x / (1 + exp(-x)) on 32 lanes with the Sleef exp libtorch exports, each row's
+// last I % 32 values by the scalar formula), the product rounded as torch's cast rounds -- the numbers of .float(),
+// silu_mul, .to(bf16) without their fp32 intermediates and seven ops a block of rows (a packed batch of prompts:
+// tens of MB a layer). dart_lab::top2 -- each
 // row's largest value, its first index and the second largest value (equal to the largest where it occurs twice)
 // in one pass over the logits: what a greedy step reads of them (argmax and the near-tie margin), where torch's
 // max and topk(2) read the rows twice and topk's selection costs ~3x a max.
@@ -21,19 +23,11 @@
 
 namespace {
 
+// rows [begin, end) of rms_norm
 __attribute__((target("avx512f")))
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.device().is_cpu() &&
-              w.device().is_cpu(), "rms_norm: x and w must be float32 CPU tensors");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1),
-              "rms_norm: contiguous x (..., n) and w (n,)");
-  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  auto y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void rms_norm_rows(const float* xp, const float* wp, float* yp, int64_t n, double eps, int64_t begin, int64_t end) {
   const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = begin; r < end; ++r) {
     const float* xr = xp + r * n;
     float* yr = yp + r * n;
     __m512 acc = _mm512_setzero_ps();
@@ -53,6 +47,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
       _mm512_mask_storeu_ps(yr + j, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, wp + j),
                                                         _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, xr + j), s)));
   }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.device().is_cpu() &&
+              w.device().is_cpu(), "rms_norm: x and w must be float32 CPU tensors");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1),
+              "rms_norm: contiguous x (..., n) and w (n,)");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  auto y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // a step's few rows on the calling thread; a prompt's hundreds over the threads (each row's arithmetic alike)
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    rms_norm_rows(xp, wp, yp, n, eps, begin, end);
+  });
   return y;
 }
 
@@ -63,25 +73,63 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return at::silu(gate_up.narrow(-1, 0, I)).mul_(gate_up.narrow(-1, I, I));
 }
 
-// gate_up (..., 2 I) bf16 -> bf16 (silu(gate) * up computed in fp32), blocks of rows over the threads
+}  // namespace
+
+extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's Vectorized<float>::exp (libtorch_cpu exports it)
+
+namespace {
+
+__attribute__((target("avx512f")))
+inline __m512 widen_bf16(const at::BFloat16* p) {  // 16 bf16 -> fp32, exact
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+__attribute__((target("avx512f")))
+inline void store_bf16(at::BFloat16* p, __m512 v) {  // round to nearest even as torch's vectorized cast (NaN 0xffff)
+  const __m512i b = _mm512_castps_si512(v);
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                                _mm512_set1_epi32(0x7fff)), b);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), _mm512_srli_epi32(r, 16));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtusepi32_epi16(r));
+}
+
+// rows [begin, end) of silu_mul_bf16: gate_up (rows, 2 I) -> out (rows, I)
+__attribute__((target("avx512f")))
+void silu_mul_rows(const at::BFloat16* gp, at::BFloat16* op, int64_t I, int64_t begin, int64_t end) {
+  const int64_t vec = I / 32 * 32;  // torch's float kernel: 2 vectors a step, the rest of a row scalar
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512i sign = _mm512_set1_epi32(0x80000000);
+  for (int64_t r = begin; r < end; ++r) {
+    const at::BFloat16* gate = gp + r * 2 * I;
+    const at::BFloat16* up = gate + I;
+    at::BFloat16* o = op + r * I;
+    for (int64_t j = 0; j < vec; j += 16) {
+      const __m512 x = widen_bf16(gate + j);
+      const __m512 e = Sleef_expf16_u10(_mm512_castsi512_ps(_mm512_xor_si512(sign, _mm512_castps_si512(x))));
+      store_bf16(o + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), widen_bf16(up + j)));
+    }
+    for (int64_t j = vec; j < I; ++j) {
+      const float x = static_cast<float>(gate[j]);
+      const float s = x / (1.f + std::exp(-x));
+      o[j] = static_cast<at::BFloat16>(s * static_cast<float>(up[j]));
+    }
+  }
+}
+
+// gate_up (..., 2 I) bf16 -> bf16 (silu(gate) * up computed in fp32), rows over the threads
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
               "silu_mul_bf16: a bf16 gate_up whose last dimension is 2 I");
   const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
-  const auto g = gate_up.reshape({rows, 2 * I});
+  const auto g = gate_up.reshape({rows, 2 * I}).contiguous();
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto out = at::empty(sizes, gate_up.options());
-  const auto o = out.view({rows, I});
-  // rows a block: its fp32 copy (64 x 2 I floats, under 1 MB for I = 1536) stays in the core's L2, and the
-  // five ops a block are few beside the arithmetic
-  constexpr int64_t block = 64;
-  at::parallel_for(0, rows, block, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r += block) {  // inside a parallel region the ops below run on this thread
-      const int64_t n = std::min(block, end - r);
-      const auto f = g.narrow(0, r, n).to(at::kFloat);
-      o.narrow(0, r, n).copy_(at::silu(f.narrow(-1, 0, I)).mul_(f.narrow(-1, I, I)));
-    }
+  const at::BFloat16* gp = g.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  // a few thousand values a task: one row of a prompt's MLP is already worth a thread
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+    silu_mul_rows(gp, op, I, begin, end);
   });
   return out;
 }
