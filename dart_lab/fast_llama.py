@@ -368,6 +368,16 @@ STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPT_ROWS = STEP_ROWS + (1024,)
 
 
+def _sweep(fns: list):
+    """x -> every fn(x) in turn, each output dropped before the next call, as a step consumes a linear's output
+    before the next (holding them all makes the allocator hand their memory back and fault it in again: a cost
+    that grows with the outputs, which a step does not pay)."""
+    def run(x):
+        for f in fns:
+            f(x)
+    return run
+
+
 def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=STEP_ROWS, rounds: int = 5) -> tuple[tuple, dict]:
     """paths: name -> the callables of that path, one per layer (or one). Time each path at each row count
     as one sweep through all its callables -- every layer's weights read from memory, as a step reads
@@ -384,7 +394,7 @@ def fastest_by_rows(paths: dict, in_features: int, dtype: torch.dtype, rows=STEP
     for r in rows:
         x = torch.randn(r, in_features, generator=g).to(dtype)
         live = [n for n in paths if n not in dropped]
-        sweeps = {n: (lambda fns: lambda x: [f(x) for f in fns])(paths[n]) for n in live}
+        sweeps = {n: _sweep(paths[n]) for n in live}
         for n in live:
             sweeps[n](x)
         times[r] = {}
@@ -792,7 +802,7 @@ class FastTarget(Target):
     # of 100-200 tokens cross from 4 bits to bf16; 9: our kernel prefetches, several rows cheaper; 10: several
     # rows on AMX tiles where the CPU has them; 11: two groups at a time through two sets of tiles, AMX from 2 rows; 12:
     # 1024 rows in the layers' sweep, a batch's prompts packed in one forward; 13: our kernel on CPUs with AVX2 only;
-    # 14: a median out of proportion with its path's previous one timed again)
+    # 14: a median out of proportion with its path's previous one timed again, each output dropped in a sweep)
     int4_revision = 14
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one

@@ -22,6 +22,7 @@
 #include <cpuid.h>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <vector>
@@ -413,8 +414,9 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
   if (Mc == 0) return y;
   const uint8_t* w = wp.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sl.data_ptr<at::Half>());
-  std::vector<float> yc(some ? Mc * n : 0);  // the computed rows, scattered to theirs in y below
-  float* yp = some ? yc.data() : y.data_ptr<float>();
+  // the computed rows, scattered to theirs in y below (every path stores each output once: no zero fill)
+  std::unique_ptr<float[]> yc(some ? new float[Mc * n] : nullptr);
+  float* yp = some ? yc.get() : y.data_ptr<float>();
   std::vector<float> xs(Mc * K / 32);
   if (avx2_forced || !bf16_dot_usable()) {  // x's rounding as fp32 numbers
     std::vector<float> xf(Mc * K);
@@ -441,7 +443,7 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
       }
     }
   }
-  for (int64_t r = 0; r < (some ? Mc : 0); ++r) std::copy_n(yc.data() + r * n, n, y.data_ptr<float>() + ri[r] * n);
+  for (int64_t r = 0; r < (some ? Mc : 0); ++r) std::copy_n(yc.get() + r * n, n, y.data_ptr<float>() + ri[r] * n);
   return y;
 }
 

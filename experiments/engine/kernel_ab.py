@@ -65,5 +65,9 @@ def q4_weights(g: torch.Generator) -> list:
 
 
 def q4_sweep(op, x_by_k: dict, weights: list) -> float:
-    """Wall ms of one `q4mm`-shaped op over every weight, x (M, K) taken from x_by_k by the weight's K."""
-    return wall_ms(lambda: [op(x_by_k[k], wp, sl, n, 1) for wp, sl, n, k in weights])
+    """Wall ms of one `q4mm`-shaped op over every weight, x (M, K) taken from x_by_k by the weight's K; each
+    output dropped before the next call, as in a step (held, their memory is handed back and faulted in again)."""
+    def sweep():
+        for wp, sl, n, k in weights:
+            op(x_by_k[k], wp, sl, n, 1)
+    return wall_ms(sweep)
