@@ -142,12 +142,15 @@ def ours(heads: int, kv_heads: int, head_dim: int, nodes: int, kv_dtype: torch.d
 
 
 def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, n_keys: int, scale: float,
-           causal: bool = False) -> torch.Tensor:
+           causal: bool = False, nodes: int | None = None) -> torch.Tensor:
     """softmax(q K^T * scale + mask) V over cache slots [0, n_keys): q (B, H, N, D); K, V (B, Hk, capacity, D),
     in q's dtype or narrower (a bf16 cache under fp32 attention); mask (B or 1, 1, N, n_keys) additive in q's
     dtype, or None (every key; `causal`: a prompt's causal mask). Returns (B, H, N, D) in q's dtype. Our
-    kernel where `prepare` measured it faster for N nodes a row and this cache dtype, else SDPA."""
+    kernel where `prepare` measured it faster for `nodes` nodes a row (default N; a batch whose rows are
+    padded to N: its real nodes a row, on average -- our kernel skips a pad, SDPA computes it) and this cache
+    dtype, else SDPA."""
     B, H, N, D = q.shape
-    if not causal and ours(H, K.shape[1], D, N, K.dtype) and q.dtype == torch.float32 and q.device.type == "cpu":
+    if (not causal and ours(H, K.shape[1], D, N if nodes is None else nodes, K.dtype) and q.dtype == torch.float32
+            and q.device.type == "cpu"):
         return torch.ops.dart_lab.decode_attn(q, K[:, :, :n_keys], V[:, :, :n_keys], mask, scale)
     return _sdpa(q, K, V, mask, n_keys, scale, causal)

@@ -508,8 +508,9 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     its K/V written to slots [0, end - start) of cache row r and each attending causally to its own tokens
     only; the linears run once over all of them (more rows a matmul: a batch's prefill).
     live (a batch): the flat indices into B * N of its real nodes, where the others are pads that see only
-    themselves (`batch.BatchTarget.verify`): with the layers in one op the linears skip the pads (their
-    outputs 0), so a row padded to the step's widest tree costs what its own tree does.
+    themselves (`batch.BatchTarget.verify`): the linears skip the pads (their outputs 0; in the layers-in-one-op
+    path by its rows, eagerly by gathering the real nodes around each linear, which then takes the path of
+    that many rows), so a row padded to the step's widest tree costs about what its own tree does.
     """
     nh, nkv, hd, scaling, qk_norm, aux_layers, attention_dtype = geometry
     inner = model.model
@@ -532,15 +533,16 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     prompt_rope = rope_op and causal
     fused_mlp = (x.device.type == "cpu" and getattr(model.config, "hidden_act", None) in ("silu", "swish")
                  and not torch.compiler.is_compiling() and kernels.rms_norm_here())
-    mlp_bf16 = _bf16_mlp(projs, B * N) if fused_mlp else None
+    skip = batched and live is not None and live.numel() < B * N and x.device.type == "cpu"
+    mlp_bf16 = _bf16_mlp(projs, live.numel() if skip else B * N) if fused_mlp else None
+    nodes = -(-live.numel() // B) if skip else N  # real nodes a row (rounded up): what attention's choice weighs
     # a prompt whose MLP runs on bf16 copies of the weights attends in bf16 too where torch's SDPA measured
     # faster in it on this CPU (`attention.prompt_dtype`; bf16 matrix units: about half the time); K and V are
     # then the values a bf16 cache keeps
     prompt_dtype = (prompt_attention(nh, nkv, hd, x.device) if causal and mlp_bf16 is not None
                     and attention_dtype == torch.float32 else attention_dtype)
-    skip = batched and live is not None and live.numel() < B * N and x.device.type == "cpu"
     stack = (_q4_stack(model, projs, live.numel() if skip else B * N) if fused and fused_mlp
-             and attention_dtype == torch.float32 and attention_ours(nh, nkv, hd, N, caches[0][0].dtype)
+             and attention_dtype == torch.float32 and attention_ours(nh, nkv, hd, nodes, caches[0][0].dtype)
              and kernels.layers_here() else None)
     if stack is not None:  # every linear on our 4-bit kernel, attention on ours: the layers in one op, same numbers
         x, tapped = torch.ops.dart_lab.q4_layers.default(x, *stack, rows_cos, rows_sin, caches[0], caches[1], slots,
@@ -549,11 +551,22 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
         taps = dict(zip(aux_layers, tapped))
     else:
         taps = {}
+    if skip and stack is None:  # the eager layers skip the pads too: each linear over the real nodes only
+        flat = B * N
+
+        def real(f):
+            def run(h):
+                y = f(h.reshape(flat, -1)[live])
+                return y.new_zeros(flat, y.shape[-1]).index_copy_(0, live, y).view(B, N, -1)
+            return run
+    else:
+        def real(f):
+            return f
     for i, layer in enumerate(inner.layers if stack is None else ()):
         if i in aux_layers:
             taps[i] = x
         att, (qkv, o_proj, gate_up, down) = layer.self_attn, projs[i]
-        heads = qkv(_rms_norm(layer.input_layernorm, x)).view(B, N, nh + 2 * nkv, hd)
+        heads = real(qkv)(_rms_norm(layer.input_layernorm, x)).view(B, N, nh + 2 * nkv, hd)
         K, V = caches[0][i], caches[1][i]
         if fused and heads.is_contiguous():
             q = torch.ops.dart_lab.rope_cache(heads, rows_cos, rows_sin, K, V, slots, nh, nkv)
@@ -583,19 +596,20 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
                 for s, e in segments:
                     o[0, s:e] = attend(qa[:, :, s:e], ka[:, :, s:e], va[:, :, s:e], None, e - s, scaling, causal)[0].transpose(0, 1)
         else:
-            o = attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal).transpose(1, 2)
+            o = attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal, nodes).transpose(1, 2)
         o = o.to(x.dtype)
-        x = x + o_proj(o.reshape(B, N, nh * hd))
+        x = x + real(o_proj)(o.reshape(B, N, nh * hd))
         h = _rms_norm(layer.post_attention_layernorm, x)
         if mlp_bf16 is not None:  # both on bf16 copies: silu * up from bf16 to bf16, the same numbers (csrc/norm.cpp)
             g, d = gate_up.paths[mlp_bf16[0]], down.paths[mlp_bf16[1]]
-            x = x + d.raw(torch.ops.dart_lab.silu_mul_bf16.default(g.raw(h.to(torch.bfloat16)))).to(x.dtype)
+            mlp = lambda h: d.raw(torch.ops.dart_lab.silu_mul_bf16.default(g.raw(h.to(torch.bfloat16)))).to(h.dtype)  # noqa: E731
         elif fused_mlp:  # one dispatch for torch's silu and mul (csrc/norm.cpp)
-            x = x + down(torch.ops.dart_lab.silu_mul.default(gate_up(h)))
+            mlp = lambda h: down(torch.ops.dart_lab.silu_mul.default(gate_up(h)))  # noqa: E731
         else:
-            gu = gate_up(h)
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + down(layer.mlp.act_fn(gate) * up)
+            def mlp(h):
+                gate, up = gate_up(h).chunk(2, dim=-1)
+                return down(layer.mlp.act_fn(gate) * up)
+        x = x + real(mlp)(h)
     aux = torch.cat([taps[i] for i in aux_layers], dim=-1)
     if not batched:
         return head(_rms_norm(inner.norm, x[0] if rows is None else x[0, rows])).float(), aux[0]

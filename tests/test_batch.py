@@ -94,8 +94,9 @@ def test_packed_prefill_equals_each_prompt_alone(arch):
             torch.testing.assert_close(bt._v[:, b, :, :n], alone._v[:, b, :, :n], atol=1e-5, rtol=1e-5)
 
 
-def test_batched_verify_logits_equal_each_row_alone():
-    """Tree logits of a batch = each row's tree verified alone (mixed sizes, padding, holes in the cache)."""
+def test_batched_verify_logits_equal_each_row_alone(monkeypatch):
+    """Tree logits of a batch = each row's tree verified alone (mixed sizes, padding, holes in the cache); on
+    the fast runner every linear sees the real nodes only (pads skipped)."""
     for runner in ("hf", "fast"):
         target = tiny_target("qwen3", runner=runner)
         prompts = prompts_for(target)[:4]
@@ -110,7 +111,18 @@ def test_batched_verify_logits_equal_each_row_alone():
         bt.commit([[0]] * 4)
         bt.verify([Tree.from_paths(int(p[-1]), [[3, 4, 5]]) for p in prompts])
         bt.commit([[0], [0, 1, 2], [0, 1], [0]])  # rows of different lengths: holes before the next nodes
+        seen = []
+        if runner == "fast":
+            projections = target.projections
+
+            def spy(prefill=False):
+                layers, head = projections(prefill)
+                wrap = lambda f: lambda h: seen.append(h.numel() // h.shape[-1]) or f(h)  # noqa: E731
+                return [tuple(wrap(f) for f in layer) for layer in layers], head
+            monkeypatch.setattr(target, "projections", spy)
         out = bt.verify(trees)
+        monkeypatch.undo()
+        assert set(seen) == ({1 + 7 + 3 + 12} if runner == "fast" else set())
         for b, (p, tree) in enumerate(zip(prompts, trees)):
             extra = [[int(p[-1])], [int(p[-1]), 3, 4], [int(p[-1]), 3], [int(p[-1])]][b]
             target.prefill(torch.cat([p, torch.tensor([int(p[-1])]), torch.tensor(extra)]))
