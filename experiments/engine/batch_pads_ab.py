@@ -1,7 +1,8 @@
 """What does a batch step cost when its rows' trees differ in size, with a pad node computed like a real one
 ("pads computed": every row's nodes through the linears, a pad attending to its row's committed keys) against
-skipped ("pads skipped": a pad sees only itself, `decoder_step(live=...)` leaves it out of the 4-bit linears
-and the attention kernel takes its one key's V)? The 4-bit embedded target, B rows of random prompts of
+skipped ("pads skipped": a pad sees only itself, `decoder_step(live=...)` leaves it out of the linears, the
+attention kernel takes its one key's V and is chosen by a row's real nodes)? A row of 9 or 16 nodes beside
+one-node rows takes the eager layers (past the attention kernel's width), where the pads are gathered out. The 4-bit embedded target, B rows of random prompts of
 120-170 tokens; per tree pattern (nodes a row) the two sides alternate in one process, each round a few
 verify + commit steps; the median ms a step, and the largest logit difference between the sides' real nodes
 (0: a row's numbers do not depend on its neighbours' pads).
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (int(n),), generator=g) for n in torch.randint(120, 170, (B,), generator=g)]
     patterns = [[1] * B, [2] + [1] * (B - 1), [2] * (B // 2) + [1] * (B - B // 2), [2] * B, [3] + [1] * (B - 1),
-                [5] + [1] * (B - 1), [3] * B]
+                [5] + [1] * (B - 1), [3] * B, [9] + [1] * (B - 1), [16] + [1] * (B - 1)]
     sides = {"pads computed": PadsComputed, "pads skipped": BatchTarget}
     for sizes in patterns:
         trees = [Tree.from_paths(5, [list(range(7, 6 + n))]) if n > 1 else Tree.single(5) for n in sizes]
