@@ -1008,7 +1008,8 @@ class FastTarget(Target):
                 return out
         self._ensure(P + N)
         dev = self.device
-        # a half type on a CPU: attention runs in fp32 -- SDPA's CPU kernel is faster there than in bf16; the
+        # a half type on a CPU: a step's attention runs in fp32 -- SDPA's CPU kernel is faster there than in bf16
+        # for a few query rows (a prompt on bf16 copies: `decoder_step`'s choice); the
         # K/V cache is bf16 where our kernel reads it (`cache_dtype`), else fp32 (docs/speed.md)
         attn_mask = None
         if mask is not None:  # additive, built once per forward: a bool mask is converted by SDPA in every

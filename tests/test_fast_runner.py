@@ -785,6 +785,8 @@ def test_rms_norm_op_is_torchs_to_fp32_rounding():
     assert torch.equal(torch.ops.dart_lab.silu_mul(gu), F.silu(gate) * up)
     # from bf16 to bf16 (`silu_mul_bf16`, a prompt's MLP on bf16 copies): the fp32 op on the widened values, rounded
     # once -- any row count (blocks of rows over the threads, a partial last block) and width, any leading shape
-    for shape in ((37, 2 * 1536), (2, 5, 2 * 40), (1, 2 * 8), (0, 2 * 16)):
-        gu = (torch.randn(*shape, generator=g) * 4).to(torch.bfloat16)
-        assert torch.equal(torch.ops.dart_lab.silu_mul_bf16(gu), torch.ops.dart_lab.silu_mul(gu.float()).to(torch.bfloat16))
+    # (each row's last I % 32 values on the scalar path; gates far into silu's tails)
+    for shape in ((37, 2 * 1536), (2, 5, 2 * 40), (1, 2 * 8), (0, 2 * 16), (300, 2 * 96)):
+        for scale in (4, 40):
+            gu = (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+            assert torch.equal(torch.ops.dart_lab.silu_mul_bf16(gu), torch.ops.dart_lab.silu_mul(gu.float()).to(torch.bfloat16))
