@@ -807,8 +807,9 @@ class FastTarget(Target):
     # rotation and cache write in one op, csrc/rope.cpp; 12: the MLP's silu * up in one dispatch; 13: a step's
     # layers in one op where every linear takes our 4-bit kernel, csrc/layers.cpp; 14: a step's argmaxes and margins
     # in one pass over the logits, a batch's compaction as plain copies, a prompt's rotation in one op; 15: a batch
-    # step's pad nodes skipped by the linears and the attention kernel)
-    runner_revision = 15
+    # step's pad nodes skipped by the linears and the attention kernel; 16: the eager layers skip them too, and the
+    # weights' key is taken once a request)
+    runner_revision = 16
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,
@@ -837,7 +838,7 @@ class FastTarget(Target):
         self.qk_norm = hasattr(att, "q_norm")
         self.runner = "fast"
         self._k = self._v = None
-        self._packed, self._packed_key, self._params = None, None, None
+        self._packed, self._packed_key, self._params, self._key = None, None, None, None
         self._int4_packed, self._int4_key, self._int4_rows = None, None, None
         self._kv_views, self._step_graph = None, None
         self.compile_seconds = 0.0  # time spent in first calls of new shapes (compiling), this target's life
@@ -873,10 +874,30 @@ class FastTarget(Target):
         return None if self._k is None else (self._k, self._v)
 
     def _weights_key(self) -> tuple:
-        if self._params is None:  # listed once: walking the module tree every step cost ~0.6 ms
-            self._params = list(self.model.parameters())
-        # a weight replaced (new storage) or edited in place (version bump) changes the key
-        return (self.dtype, self.device, [p.data_ptr() for p in self._params], sum(p._version for p in self._params))
+        """What the weights are: a weight replaced (new storage) or edited in place (version bump) changes it.
+        Taken at a request's prompt (`_fresh_weights`) and kept for its steps -- an edit reaches the next
+        prompt's forward -- since reading ~270 tensors' pointers and versions every step cost ~0.25 ms."""
+        if self._key is None:
+            if self._params is None:
+                self._params = list(self.model.parameters())
+            self._key = (self.dtype, self.device, [p.data_ptr() for p in self._params],
+                         sum(p._version for p in self._params))
+        return self._key
+
+    def _fresh_weights(self) -> None:
+        """A new request: list the parameters again and take the weights' key anew at the next forward."""
+        self._params, self._key = None, None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        # read every step several times: the listed parameters' first, not a walk of the module tree
+        params = getattr(self, "_params", None)  # (None until listed, absent during __post_init__)
+        return params[0].dtype if params else super().dtype
+
+    @property
+    def device(self) -> torch.device:
+        params = getattr(self, "_params", None)
+        return params[0].device if params else super().device
 
     def _int4(self, by_rows: bool | None = None) -> tuple[list, object]:
         """`int4_projections` of the current weights (by_rows: each linear's path measured per row count,
@@ -984,6 +1005,8 @@ class FastTarget(Target):
         tree goes: bf16 copies on a CPU with bf16 units, faster than fp32 there); with "4bit", decoding
         steps in 4 bits at every width (one arithmetic) and a prompt through the dense weights, since the
         4-bit CPU kernel's cost grows about linearly in rows. Else `_dense`."""
+        if prefill:
+            self._fresh_weights()
         if self.weights == "int4" and (not prefill or self.int4_paths == "measured"):
             return self._int4()
         return self._dense()
@@ -1002,6 +1025,8 @@ class FastTarget(Target):
                  rows: slice | None = None) -> TargetOutput:
         """ids, positions (N,); mask (N, P+N) bool or None (causal prefill / a single token)."""
         P, N = self.seq_len, ids.numel()
+        if P == 0:
+            self._fresh_weights()
         if self.compile and (P > 0 or N == 1):
             out = self._compiled_step(ids, positions, mask, want_aux)
             if out is not None:
