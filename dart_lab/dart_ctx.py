@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .budget import copy_cap, expected_copy_tokens, interpolate
-from .drafters import DartDrafter, copy_match
+from .drafters import CopyIndex, DartDrafter, copy_match
 from .generate import Drafter
 from .ngram import LocalNGram
 from .search import TreeSearchConfig, topk_levels, tree_search_with_paths
@@ -119,7 +119,7 @@ class ContextDrafter(DartDrafter):
         b = max(1, ctx.copy_match_buckets)
         self.hist_kept, self.hist_trials = np.zeros(b), np.zeros(b)  # over earlier requests (copy_history)
         self.copy_trials = None  # per request, from begin()
-        self._ids_src = None  # the request's token list, held as an array by `_as_array` (from begin_copies)
+        self._ids_src = None  # the request's token list, indexed by `_copy_lookup` (from begin_copies)
 
     def begin(self, target, ids, aux):
         self.begin_copies(ids)
@@ -137,7 +137,7 @@ class ContextDrafter(DartDrafter):
         b = max(1, self.ctx.copy_match_buckets)
         self.copy_kept, self.copy_trials = np.zeros(b), np.zeros(b)  # copy tokens kept / tried, per match length
         self.last_copies = []  # (len(ids) at the proposal, head token before it ([] or [t]), copy chain, match bucket)
-        self._ids_src = None  # the request's token list, held as an array by `_as_array`
+        self._ids_src = None  # the request's token list, indexed by `_copy_lookup`
 
     def observe(self, ids, aux):
         kept = self.score_copies(ids)
@@ -223,30 +223,21 @@ class ContextDrafter(DartDrafter):
         """The copy continuation of `ids` and its p, cut where the path probability head_p x p^depth
         falls below copy_min_prob; ([], 0, p) without one."""
         c = self.ctx
-        chain, n = (copy_match(self._as_array(ids), c.copy_max_ngram, c.copy_len, c.copy_periodic) if c.copy
-                    else ([], 0))
+        chain, n = self._copy_lookup(ids) if c.copy else ([], 0)
         p = np.float32(self.copy_prob(n if chain else None))  # fixed for the step
         keep = int(np.sum(head_p * p ** np.arange(1, len(chain) + 1) >= c.copy_min_prob)) if chain else 0
         return chain[:keep], n, p
 
-    def _as_array(self, ids: list[int]) -> np.ndarray:
-        """ids as an int64 array for `copy_match`: the request's own list (the first one asked about since
-        `begin_copies`, which the decode loop extends step by step) is kept as an array grown by its new tokens
-        alone; any other list (a branch's ids + [t]) is converted whole."""
+    def _copy_lookup(self, ids: list[int]) -> tuple[list[int], int]:
+        """`copy_match` of ids: the request's own list (the first one asked about since `begin_copies`, which the
+        decode loop extends step by step) through its `CopyIndex`, grown by its new tokens alone; any other list
+        (a branch's ids + [t]) looked up whole."""
+        c = self.ctx
         if self._ids_src is None:
-            self._ids_src, self._ids_buf, self._ids_n = ids, np.empty(max(2 * len(ids), 64), dtype=np.int64), 0
+            self._ids_src, self._copy_index = ids, CopyIndex(c.copy_max_ngram)
         elif ids is not self._ids_src:
-            return np.asarray(ids, dtype=np.int64)
-        buf, n = self._ids_buf, self._ids_n
-        if n > len(ids) or (n and buf[n - 1] != ids[n - 1]):  # not a continuation of what is held: again
-            n = 0
-        if buf.size < len(ids):
-            grown = np.empty(2 * len(ids), dtype=np.int64)
-            grown[:n] = buf[:n]
-            buf = grown
-        buf[n:len(ids)] = ids[n:]
-        self._ids_buf, self._ids_n = buf, len(ids)
-        return buf[:len(ids)]
+            return copy_match(ids, c.copy_max_ngram, c.copy_len, c.copy_periodic)
+        return self._copy_index.match(ids, c.copy_len, c.copy_periodic)
 
     def copy_offer(self, ids: list[int]) -> tuple[list[int], float]:
         """Without a tree (a theta-0 batch step), the copy chain is what this drafter can verify (none when

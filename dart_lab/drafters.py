@@ -240,6 +240,45 @@ def copy_match(ids: list[int], max_ngram: int, length: int, periodic: bool = Fal
     return a[e + 1:e + 1 + length].tolist(), n
 
 
+class CopyIndex:
+    """`copy_match` over one token list that grows step by step (a request's, as the decode loop extends it):
+    for each n = 1..max_ngram, every n tokens of the list -> the latest position where they end, grown by the new
+    positions alone, so a lookup is max_ngram dictionary reads instead of a pass over the context (a batch of
+    dart-ctx rows looks up every row every step). The same answer as `copy_match` on the list: the longest
+    suffix match first, the most recent of those. A list that is not a continuation of the one held (shorter,
+    or its last held token changed) is indexed again from the start."""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.seq: list[int] = []
+        self.ends = [{} for _ in range(max_ngram)]  # ends[n - 1]: n tokens (a tuple) -> latest end position
+        self.indexed = 0  # positions e < indexed are in `ends` (the last token's own position never is)
+
+    def match(self, ids: list[int], length: int, periodic: bool = False) -> tuple[list[int], int]:
+        seq, held = self.seq, len(self.seq)
+        if held > len(ids) or (held and ids[held - 1] != seq[-1]):
+            seq[:], self.indexed = [], 0
+            for d in self.ends:
+                d.clear()
+            held = 0
+        seq.extend(ids[held:])
+        L = len(seq)
+        for e in range(self.indexed, L - 1):  # an earlier occurrence must be followed by a token
+            for n in range(1, min(self.max_ngram, e + 1) + 1):
+                self.ends[n - 1][tuple(seq[e - n + 1:e + 1])] = e
+        self.indexed = max(self.indexed, L - 1)
+        if length < 1:
+            return [], 0
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            e = self.ends[n - 1].get(tuple(seq[L - n:]))
+            if e is not None:
+                d = L - 1 - e
+                if periodic and d < length:
+                    return [seq[e + 1 + k % d] for k in range(length)], n
+                return seq[e + 1:e + 1 + length], n
+        return [], 0
+
+
 def copy_chain(ids: list[int], max_ngram: int, length: int) -> list[int]:
     """`copy_match`'s chain alone (what PLD proposes)."""
     return copy_match(ids, max_ngram, length)[0]

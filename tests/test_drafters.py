@@ -11,7 +11,8 @@ from conftest import tiny_model, tiny_target
 from dart_lab import DartLabError, GenerationConfig, generate
 from dart_lab.draft_head import DartHead, Eagle3Head, HeadConfig
 from dart_lab.dart_ctx import ContextConfig, ContextDrafter, CopyOrAR
-from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter, copy_chain, copy_match
+from dart_lab.drafters import (CopyIndex, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter,
+                               copy_chain, copy_match)
 from dart_lab.methods import MethodOptions, make_drafter, random_head
 from dart_lab.ngram import NGram
 from dart_lab.search import TreeSearchConfig
@@ -424,10 +425,10 @@ def test_the_heads_norm_on_our_op_is_the_torch_norm_and_training_keeps_autograd(
     assert y.grad_fn is not None and x.grad is not None and norm.weight.grad is not None
 
 
-def test_copy_offers_from_the_held_array_equal_the_lookup_on_the_list():
-    """dart-ctx keeps its request's token list as an array grown step by step (`_as_array`): every offer equals
-    `copy_match` on the list itself, while the list grows, for another list (a branch's ids + [t]), after the
-    list was rewritten, and for the next request's list."""
+def test_copy_offers_from_the_request_index_equal_the_lookup_on_the_list():
+    """dart-ctx indexes its request's token list as it grows (`CopyIndex`): every offer equals `copy_match` on
+    the list itself, while the list grows by 1-3 tokens a step, for another list (a branch's ids + [t]), after
+    the list was rewritten, and for the next request's list."""
     target = tiny_target("llama")
     g = torch.Generator().manual_seed(3)
     d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16), ContextConfig(w_context=0.0))
@@ -440,10 +441,27 @@ def test_copy_offers_from_the_held_array_equal_the_lookup_on_the_list():
                 got = d.copy_candidate(probe)
                 want = copy_match(probe, c.copy_max_ngram, c.copy_len, c.copy_periodic)
                 assert got[0] == want[0][:len(got[0])] and got[1] == want[1]
-                assert d._as_array(probe).tolist() == probe
             ids.extend(torch.randint(2, 9, (1 + step % 3,), generator=g).tolist())
             if step == 30:
-                ids[-2:] = [7, 7]  # earlier tokens rewritten in place: held again from the start
+                ids[-2:] = [7, 7]  # earlier tokens rewritten in place: indexed again from the start
+
+
+def test_copy_index_equals_the_lookup_as_a_list_grows():
+    """`CopyIndex.match` on a growing list = `copy_match` on the list, plain and periodic, at every length,
+    also when the list shrinks or is replaced (indexed again)."""
+    rng = np.random.default_rng(2)
+    for trial in range(60):
+        for max_ngram in (1, 3, 8):
+            index = CopyIndex(max_ngram)
+            ids: list[int] = []
+            vocab = int(rng.integers(2, 6))  # small vocab: many matches of every length
+            for step in range(50):
+                ids = ids + rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
+                if step == 25:
+                    ids = ids[:int(rng.integers(1, len(ids)))]  # shorter: not a continuation
+                for length, periodic in ((5, False), (12, True), (0, False)):
+                    assert index.match(ids, length, periodic) == copy_match(ids, max_ngram, length, periodic), \
+                        (ids, max_ngram, length, periodic)
 
 
 def test_copy_only_steps_skip_the_head_stay_lossless_and_the_head_catches_up():

@@ -141,6 +141,22 @@ inline void group_tile(const uint8_t* wb, int64_t g, uint16_t* bt) {
   }
 }
 
+// groups g and g + 1 (those < G) of block b: their products c (two tiles' stores, one after the other) scaled
+// into each row's sums, each group apart, in order: scale * sum q x + low * sum x
+__attribute__((always_inline, target("avx512f,f16c")))
+inline void scale_pair(__m512* out, const float* c, const uint16_t* sl, const float* xs, int64_t M, int64_t G,
+                       int64_t b, int64_t g) {
+  for (int64_t h = g; h < std::min<int64_t>(g + 2, G); ++h, c += kAmxRows * 16) {
+    const uint16_t* s = sl + ((b * G + h) * 2) * 16;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
+    const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + 16)));
+    for (int r = 0; r < M; ++r) {
+      out[r] = _mm512_fmadd_ps(_mm512_load_ps(c + r * 16), scale, out[r]);
+      out[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * G + h]), out[r]);
+    }
+  }
+}
+
 // blocks b0..b1 of 16 outputs, on one thread (its own tile configuration). Each group's 4-bit values are
 // looked up once for all rows, which go through the tiles 16 at a time (xp padded to a multiple of 16 rows
 // when M > 16); each row's sums in registers for one tile of rows, else in acc (M x 16 fp32). With one tile of
@@ -158,40 +174,39 @@ void q4_amx_blocks(const uint32_t* xp, const float* xs, const uint8_t* wp, const
     cfg.colsb[3 * set + 2] = 64;
   }
   _tile_loadconfig(&cfg);
-  alignas(64) uint16_t bt[2][16 * 32];  // a group's 4-bit values as bf16, rows = input pairs (two groups)
-  alignas(64) float ct[2][kAmxRows * 16];
+  alignas(64) uint16_t bt[4][16 * 32];  // a group's 4-bit values as bf16, rows = input pairs (two pairs of groups)
+  alignas(64) float ct[4][kAmxRows * 16];
   std::vector<float> acc(M > kAmxRows ? M * 16 : 0);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = wp + b * Q * 32;
     if (M <= kAmxRows) {  // one tile of rows: sums in registers, two groups at a time
       __m512 out[kAmxRows];
       for (int r = 0; r < kAmxRows; ++r) out[r] = _mm512_setzero_ps();
+      // software-pipelined over pairs of groups: the 4-bit values of the next pair are looked up into one set
+      // of buffers while the tiles multiply this pair from the other, and a pair's products are scaled one
+      // pair later, so no tile load waits on the vector stores just made, nor a vector load on a tile store
+      group_tile(wb, 0, bt[0]);
+      if (G > 1) group_tile(wb, 1, bt[1]);
       for (int64_t g = 0; g < G; g += 2) {
+        const int set = (g / 2) & 1;
         const bool two = g + 1 < G;
-        group_tile(wb, g, bt[0]);
-        if (two) group_tile(wb, g + 1, bt[1]);
-        _tile_loadd(2, bt[0], 64);
+        if (g + 2 < G) group_tile(wb, g + 2, bt[2 * (1 - set)]);
+        if (g + 3 < G) group_tile(wb, g + 3, bt[2 * (1 - set) + 1]);
+        _tile_loadd(2, bt[2 * set], 64);
         _tile_zero(0);
         _tile_loadd(1, xp + g * 16, P * 4);
         _tile_dpbf16ps(0, 1, 2);
         if (two) {
-          _tile_loadd(5, bt[1], 64);
+          _tile_loadd(5, bt[2 * set + 1], 64);
           _tile_zero(3);
           _tile_loadd(4, xp + (g + 1) * 16, P * 4);
           _tile_dpbf16ps(3, 4, 5);
         }
-        _tile_stored(0, ct[0], 64);
-        if (two) _tile_stored(3, ct[1], 64);
-        for (int64_t h = g; h < g + (two ? 2 : 1); ++h) {  // each group scaled apart, in order
-          const uint16_t* s = sl + ((b * G + h) * 2) * 16;
-          const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
-          const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + 16)));
-          for (int r = 0; r < M; ++r) {
-            out[r] = _mm512_fmadd_ps(_mm512_load_ps(ct[h - g] + r * 16), scale, out[r]);
-            out[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * G + h]), out[r]);
-          }
-        }
+        _tile_stored(0, ct[2 * set], 64);
+        if (two) _tile_stored(3, ct[2 * set + 1], 64);
+        if (g >= 2) scale_pair(out, ct[2 * (1 - set)], sl, xs, M, G, b, g - 2);
       }
+      scale_pair(out, ct[2 * (((G - 1) / 2) & 1)], sl, xs, M, G, b, (G - 1) / 2 * 2);
       for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + r * N + b * 16, out[r]);
       continue;
     }
