@@ -135,6 +135,22 @@ struct BF16 {
   }
 };
 
+// one key's dot products with the 4 query rows held in qv (scale already in q), as a 4-lane vector; K and V rows are
+// requested kAhead keys ahead (kr: the stride between keys)
+template <int C, class E>
+__attribute__((always_inline, target("avx512f")))
+inline __m128 key_dots(const __m512 (&qv)[kRowsPerPass][C], const typename E::T* kj, int64_t kr) {
+  constexpr int kLine = 64 / sizeof(typename E::T);  // elements a cache line: one prefetch each
+  __m512 a[kRowsPerPass];
+  for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    if (16 * c % kLine == 0) _mm_prefetch((const char*)(kj + kAhead * kr + 16 * c), _MM_HINT_T0);
+    const __m512 kc = E::load(kj + 16 * c);
+    for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_fmadd_ps(qv[i][c], kc, a[i]);
+  }
+  return sum4(a[0], a[1], a[2], a[3]);
+}
+
 // One (batch row b, key head g): rows [r_begin, r_end) of the G query heads sharing it x N positions (R = G N
 // rows, contiguous in q and out; row r is position r % N) over the live keys `spans`; a row whose position sees
 // one key only (`single`) takes that key's V. C = D / 16 vectors a head.
@@ -174,28 +190,52 @@ void head_group(const Geometry& s, const float* q, const typename E::T* k, const
     for (int i = 0; i < kRowsPerPass; ++i)
       for (int c = 0; c < C; ++c)
         qv[i][c] = i < rn ? _mm512_loadu_ps(Q + rows[i0 + i] * D + 16 * c) : _mm512_setzero_ps();
+    // each row's mask row (a row past rn: row 0's, read and not used)
+    const float* mrow[kRowsPerPass];
+    for (int i = 0; i < kRowsPerPass; ++i)
+      mrow[i] = M ? M + (rows[i0 + (i < rn ? i : 0)] % s.N) * s.mn : nullptr;
+    // 4 keys at a time: their 4 x 4 scores transposed to rows' order in one vector, each row's mask added and its
+    // running max kept in its 4 lanes, each row's 4 scores stored at once; the span's last keys one by one
+    __m512 m16 = _mm512_set1_ps(-INFINITY);
     float m4[kRowsPerPass] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    const __m512i by_row = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     int64_t at = 0;  // the key's place among the live ones
     for (const auto& sp : spans) {
-      for (int64_t j = sp.first; j < sp.second; ++j, ++at) {
-        __m512 a[kRowsPerPass];
-        const typename E::T* kj = K + j * s.kr;
-        for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_setzero_ps();
-        for (int c = 0; c < C; ++c) {
-          if (16 * c % kLine == 0) _mm_prefetch((const char*)(kj + kAhead * s.kr + 16 * c), _MM_HINT_T0);
-          const __m512 kc = E::load(kj + 16 * c);
-          for (int i = 0; i < kRowsPerPass; ++i) a[i] = _mm512_fmadd_ps(qv[i][c], kc, a[i]);
+      int64_t j = sp.first;
+      for (; j + 4 <= sp.second; j += 4, at += 4) {
+        __m512 z = _mm512_castps128_ps512(key_dots<C, E>(qv, K + j * s.kr, s.kr));
+        z = _mm512_insertf32x4(z, key_dots<C, E>(qv, K + (j + 1) * s.kr, s.kr), 1);
+        z = _mm512_insertf32x4(z, key_dots<C, E>(qv, K + (j + 2) * s.kr, s.kr), 2);
+        z = _mm512_insertf32x4(z, key_dots<C, E>(qv, K + (j + 3) * s.kr, s.kr), 3);
+        z = _mm512_permutexvar_ps(by_row, z);  // lane 4 i + u: row i, key j + u
+        if (M) {
+          __m512 m = _mm512_castps128_ps512(_mm_loadu_ps(mrow[0] + j));
+          m = _mm512_insertf32x4(m, _mm_loadu_ps(mrow[1] + j), 1);
+          m = _mm512_insertf32x4(m, _mm_loadu_ps(mrow[2] + j), 2);
+          m = _mm512_insertf32x4(m, _mm_loadu_ps(mrow[3] + j), 3);
+          z = _mm512_add_ps(z, m);
         }
+        m16 = _mm512_max_ps(m16, z);
+        _mm_storeu_ps(sc.data() + i0 * nk + at, _mm512_castps512_ps128(z));
+        if (rn > 1) _mm_storeu_ps(sc.data() + (i0 + 1) * nk + at, _mm512_extractf32x4_ps(z, 1));
+        if (rn > 2) _mm_storeu_ps(sc.data() + (i0 + 2) * nk + at, _mm512_extractf32x4_ps(z, 2));
+        if (rn > 3) _mm_storeu_ps(sc.data() + (i0 + 3) * nk + at, _mm512_extractf32x4_ps(z, 3));
+      }
+      for (; j < sp.second; ++j, ++at) {
         float x[4];
-        _mm_storeu_ps(x, sum4(a[0], a[1], a[2], a[3]));
+        _mm_storeu_ps(x, key_dots<C, E>(qv, K + j * s.kr, s.kr));
         for (int i = 0; i < rn; ++i) {
-          const float xi = M ? x[i] + M[(rows[i0 + i] % s.N) * s.mn + j] : x[i];
+          const float xi = M ? x[i] + mrow[i][j] : x[i];
           sc[(i0 + i) * nk + at] = xi;
           m4[i] = std::max(m4[i], xi);
         }
       }
     }
-    for (int i = 0; i < rn; ++i) mx[i0 + i] = m4[i];
+    alignas(64) float m16s[16];
+    _mm512_store_ps(m16s, m16);
+    for (int i = 0; i < rn; ++i)
+      mx[i0 + i] = std::max(std::max(m4[i], std::max(m16s[4 * i], m16s[4 * i + 1])),
+                            std::max(m16s[4 * i + 2], m16s[4 * i + 3]));
   }
   // 2. softmax numerators and sums
   for (int64_t r = 0; r < R; ++r) {
