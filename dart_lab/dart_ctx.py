@@ -134,8 +134,15 @@ class ContextDrafter(DartDrafter):
     def begin_copies(self, ids) -> None:
         """A new request for the copy bookkeeping: the last one joins the history (copy_history)."""
         self._remember()
-        b = max(1, self.ctx.copy_match_buckets)
-        self.copy_kept, self.copy_trials = np.zeros(b), np.zeros(b)  # copy tokens kept / tried, per match length
+        c, b = self.ctx, max(1, self.ctx.copy_match_buckets)
+        # copy tokens kept / tried per match length, Python numbers (`copy_prob` runs for every row every step): whole
+        # numbers, so their sums are exact in any order; the history's pooled p and each bucket's reliability are
+        # fixed for the request
+        self.copy_kept, self.copy_trials = [0.0] * b, [0.0] * b
+        w = c.copy_prior_weight
+        self._hist = float((w * c.copy_p + self.hist_kept.sum()) / (w + self.hist_trials.sum()))  # earlier requests
+        self._rel = [float((w * self._hist + self.hist_kept[i]) / (w + self.hist_trials[i]) / self._hist)
+                     for i in range(b)]
         self.last_copies = []  # (len(ids) at the proposal, head token before it ([] or [t]), copy chain, match bucket)
         self._ids_src = None  # the request's token list, indexed by `_copy_lookup`
 
@@ -194,8 +201,8 @@ class ContextDrafter(DartDrafter):
         forgetting the oldest trials proportionally beyond that many."""
         if self.ctx.copy_history <= 0 or self.copy_trials is None:  # no request decoded yet
             return
-        self.hist_kept += self.copy_kept
-        self.hist_trials += self.copy_trials
+        self.hist_kept += np.asarray(self.copy_kept)
+        self.hist_trials += np.asarray(self.copy_trials)
         total = self.hist_trials.sum()
         if total > self.ctx.copy_history:
             keep = self.ctx.copy_history / total
@@ -205,19 +212,16 @@ class ContextDrafter(DartDrafter):
     def copy_prob(self, match_len: int | None = None) -> float:
         """p: the estimated chance that the target keeps the next copy token of a copy found by a
         suffix match of `match_len` tokens (None: pooled over all matches) (ContextConfig)."""
-        c = self.ctx
-        w = c.copy_prior_weight
-        hist = (w * c.copy_p + self.hist_kept.sum()) / (w + self.hist_trials.sum())  # earlier requests, pooled
-        pooled = (w * hist + self.copy_kept.sum()) / (w + self.copy_trials.sum())
-        if match_len is None or self.copy_kept.size == 1:
-            return float(pooled)
+        w = self.ctx.copy_prior_weight
+        pooled = (w * self._hist + sum(self.copy_kept)) / (w + sum(self.copy_trials))
+        if match_len is None or len(self.copy_kept) == 1:
+            return pooled
         b = self.match_bucket(match_len)
-        rel = (w * hist + self.hist_kept[b]) / (w + self.hist_trials[b]) / hist  # the bucket's reliability
-        prior = min(pooled * rel, 0.99)
-        return float((w * prior + self.copy_kept[b]) / (w + self.copy_trials[b]))
+        prior = min(pooled * self._rel[b], 0.99)  # the bucket's reliability over earlier requests
+        return (w * prior + self.copy_kept[b]) / (w + self.copy_trials[b])
 
     def match_bucket(self, match_len: int) -> int:
-        return min(max(match_len, 1), self.copy_kept.size) - 1
+        return min(max(match_len, 1), len(self.copy_kept)) - 1
 
     def copy_candidate(self, ids: list[int], head_p: float = 1.0) -> tuple[list[int], int, np.float32]:
         """The copy continuation of `ids` and its p, cut where the path probability head_p x p^depth

@@ -378,7 +378,7 @@ def test_branch_copies_follow_the_heads_first_tokens_and_learn_only_when_taken()
     assert s15[0] == logp[0, 2] and s15[1] < s15[0]  # the head's own level-0 score, then the copy's
     # the target took 15 and kept the copy's 16; the branch under 11 was not taken: no trial
     d.observe(ids + [15, 16, 41], out.aux[-3:])
-    assert d.copy_kept.tolist() == [1, 0, 0, 0] and d.copy_trials.tolist() == [1, 0, 0, 0]
+    assert d.copy_kept == [1, 0, 0, 0] and d.copy_trials == [1, 0, 0, 0]
     d1 = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=16),
                         ContextConfig(w_context=0.0, copy_branches=1))
     d1.begin(target, ids, out.aux)
@@ -517,7 +517,7 @@ def test_without_a_tree_dart_ctx_copies_only_where_a_copy_beats_a_one_token_step
         assert len(copy_steps) == fb.copy_only_steps and (len(copy_steps) > 0) == copies
         assert all(s["tree_size"] > 1 for s in copy_steps) and all(s["tree_size"] == 1 for s in res.steps if not s.get("copy_only"))
         if not copies:  # no copy proposed, yet every step that had one scored its first token
-            assert 0 < d.copy_trials.sum() <= len(res.steps)
+            assert 0 < sum(d.copy_trials) <= len(res.steps)
     sampled = generate(target, prompt, d.without_tree({1: 10.0, 64: 10.0}), GenerationConfig(max_new_tokens=40, temperature=1.0))
     assert len(sampled.tokens) > 0
     assert ContextDrafter(random_head(target, "dart"), None, ctx=ContextConfig(copy=False)).without_tree({1: 1.0}) is None

@@ -779,10 +779,16 @@ def test_rms_norm_op_is_torchs_to_fp32_rounding():
                                    atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.dart_lab.rms_norm(torch.randn(8, 6).T, torch.randn(8), 1e-5)
-    # the MLP's silu(gate) * up from the fused projection's output (`silu_mul`): torch's own ops, bit for bit
-    gu = torch.randn(2, 3, 2 * 48, generator=g) * 4
-    gate, up = gu.chunk(2, dim=-1)
-    assert torch.equal(torch.ops.dart_lab.silu_mul(gu), F.silu(gate) * up)
+    # the MLP's silu(gate) * up from the fused projection's output (`silu_mul`, one pass in fp32): torch's own ops'
+    # numbers, bit for bit -- any row count and width (each row's last I % 32 values on the scalar path; gates far
+    # into silu's tails), any leading shape; another dtype by torch's ops
+    for shape in ((37, 2 * 1536), (2, 3, 2 * 48), (2, 5, 2 * 40), (1, 2 * 8), (0, 2 * 16), (300, 2 * 96)):
+        for scale in (4, 40):
+            gu = torch.randn(*shape, generator=g) * scale
+            gate, up = gu.chunk(2, dim=-1)
+            assert torch.equal(torch.ops.dart_lab.silu_mul(gu), F.silu(gate) * up)
+    gate, up = gu.half().chunk(2, dim=-1)
+    assert torch.equal(torch.ops.dart_lab.silu_mul(gu.half()), F.silu(gate) * up)
     # from bf16 to bf16 (`silu_mul_bf16`, a prompt's MLP on bf16 copies): the fp32 op on the widened values, rounded
     # once -- any row count (blocks of rows over the threads, a partial last block) and width, any leading shape
     # (each row's last I % 32 values on the scalar path; gates far into silu's tails)

@@ -65,6 +65,7 @@ struct Geometry {
   int64_t H, N, Hk, G, nk;
   int64_t kb, kh, kr, vb, vh, vr;  // K and V strides: row, head, key
   int64_t mb, mn;                  // mask strides: row (0: one mask for every row), query position
+  float scale;                     // applied to q as it is loaded, as SDPA scales q (the same fp32 products)
 };
 
 // The keys of batch row b that at least one of its query positions sees, as spans [first, end) in order: a key
@@ -135,8 +136,8 @@ struct BF16 {
   }
 };
 
-// one key's dot products with the 4 query rows held in qv (scale already in q), as a 4-lane vector; K and V rows are
-// requested kAhead keys ahead (kr: the stride between keys)
+// one key's dot products with the 4 query rows held in qv (scaled), as a 4-lane vector; the K row kAhead keys on
+// requested meanwhile (kr: the stride between keys)
 template <int C, class E>
 __attribute__((always_inline, target("avx512f")))
 inline __m128 key_dots(const __m512 (&qv)[kRowsPerPass][C], const typename E::T* kj, int64_t kr) {
@@ -182,14 +183,15 @@ void head_group(const Geometry& s, const float* q, const typename E::T* k, const
   const int64_t R = rows.size();
   sc.resize(R * nk);  // the i-th computed row's scores at i * nk
   std::vector<float> mx(R, -INFINITY), sum(R);
-  // 1. scores (scale already in q): 4 query rows at a time held in registers, each key's 4 dot products
-  // summed together (`sum4`)
+  // 1. scores: 4 query rows at a time held in registers (scaled as loaded), each key's 4 dot products summed
+  // together (`sum4`)
   for (int64_t i0 = 0; i0 < R; i0 += kRowsPerPass) {
     const int64_t rn = std::min<int64_t>(kRowsPerPass, R - i0);
     __m512 qv[kRowsPerPass][C];
     for (int i = 0; i < kRowsPerPass; ++i)
       for (int c = 0; c < C; ++c)
-        qv[i][c] = i < rn ? _mm512_loadu_ps(Q + rows[i0 + i] * D + 16 * c) : _mm512_setzero_ps();
+        qv[i][c] = i < rn ? _mm512_mul_ps(_mm512_loadu_ps(Q + rows[i0 + i] * D + 16 * c), _mm512_set1_ps(s.scale))
+                          : _mm512_setzero_ps();
     // each row's mask row (a row past rn: row 0's, read and not used)
     const float* mrow[kRowsPerPass];
     for (int i = 0; i < kRowsPerPass; ++i)
@@ -318,11 +320,11 @@ at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 m.size(1) == 1 && m.size(2) == N && m.size(3) == n_keys,
                 "decode_attn: mask must be (B or 1, 1, N, n_keys) float32");
   }
-  const at::Tensor qs = (q * scale).contiguous();  // the scale applied once, as SDPA scales q
+  const at::Tensor qs = q.contiguous();
   auto out = at::empty({B, H, N, D}, q.options());
   Geometry s{H, N, Hk, H / Hk, n_keys,
              k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-             masked && m.size(0) == B ? m.stride(0) : 0, masked ? m.stride(2) : 0};
+             masked && m.size(0) == B ? m.stride(0) : 0, masked ? m.stride(2) : 0, (float)scale};
   const float* qp = qs.data_ptr<float>();
   const float* mp = masked ? m.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();

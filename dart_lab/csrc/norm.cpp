@@ -2,16 +2,16 @@
 // (built on first use: dart_lab/kernels.py). The arithmetic of torch's F.rms_norm in one pass a row; why: an eager
 // decoding step normalises 2 x layers + 1 times a few rows, where F.rms_norm's several internal ops cost ~5x
 // the arithmetic (docs/speed.md). dart_lab::silu_mul -- the MLP's silu(gate) * up from the fused gate|up
-// projection's output, torch's own silu and mul called from here: the same numbers, one dispatch from Python
-// instead of three (chunk, silu, mul) a layer. dart_lab::silu_mul_bf16 -- the same from a bf16 gate|up to a bf16
-// result (a prompt's MLP on bf16 copies of the weights) in one pass: each value widened exactly, torch's fp32 silu
-// as its CPU kernel computes it (x / (1 + exp(-x)) on 32 lanes with the Sleef exp libtorch exports, each row's
-// last I % 32 values by the scalar formula), the product rounded as torch's cast rounds -- the numbers of .float(),
-// silu_mul, .to(bf16) without their fp32 intermediates and seven ops a block of rows (a packed batch of prompts:
-// tens of MB a layer). dart_lab::top2 -- each
-// row's largest value, its first index and the second largest value (equal to the largest where it occurs twice)
-// in one pass over the logits: what a greedy step reads of them (argmax and the near-tie margin), where torch's
-// max and topk(2) read the rows twice and topk's selection costs ~3x a max.
+// projection's output in one pass (fp32; other dtypes by torch's ops): torch's fp32 silu as its CPU kernel computes
+// it (x / (1 + exp(-x)) on 32 lanes with the Sleef exp libtorch exports, each row's last I % 32 values by the scalar
+// formula), then the product -- the numbers of F.silu(gate) * up without the intermediate or its dispatches (each
+// layer of an eager step). dart_lab::silu_mul_bf16 -- the same from a bf16 gate|up to a bf16 result (a prompt's MLP
+// on bf16 copies of the weights): each value widened exactly, the product rounded as torch's cast rounds -- the
+// numbers of .float(), silu_mul, .to(bf16) without their fp32 intermediates and seven ops a block of rows (a packed
+// batch of prompts: tens of MB a layer). dart_lab::top2 -- each row's largest value, its first index and the second
+// largest value (equal to the largest where it occurs twice) in one pass over the logits: what a greedy step reads
+// of them (argmax and the near-tie margin), where torch's max and topk(2) read the rows twice and topk's selection
+// costs ~3x a max.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -66,13 +66,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-// gate_up (..., 2 I) -> silu(gate_up[..., :I]) * gate_up[..., I:]
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: the last dimension must be 2 I");
-  const int64_t I = gate_up.size(-1) / 2;
-  return at::silu(gate_up.narrow(-1, 0, I)).mul_(gate_up.narrow(-1, I, I));
-}
-
 }  // namespace
 
 extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's Vectorized<float>::exp (libtorch_cpu exports it)
@@ -93,45 +86,70 @@ inline void store_bf16(at::BFloat16* p, __m512 v) {  // round to nearest even as
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtusepi32_epi16(r));
 }
 
-// rows [begin, end) of silu_mul_bf16: gate_up (rows, 2 I) -> out (rows, I)
+// 16 values of a row as fp32 (bf16 widened exactly) and back (bf16 rounded as torch's cast rounds)
+template <class T> struct Lanes;
+template <> struct Lanes<float> {
+  __attribute__((target("avx512f"))) static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  __attribute__((target("avx512f"))) static inline void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+};
+template <> struct Lanes<at::BFloat16> {
+  __attribute__((target("avx512f"))) static inline __m512 load(const at::BFloat16* p) { return widen_bf16(p); }
+  __attribute__((target("avx512f"))) static inline void store(at::BFloat16* p, __m512 v) { store_bf16(p, v); }
+};
+
+// rows [begin, end) of silu_mul: gate_up (rows, 2 I) -> out (rows, I), silu and the product in fp32
+template <class T>
 __attribute__((target("avx512f")))
-void silu_mul_rows(const at::BFloat16* gp, at::BFloat16* op, int64_t I, int64_t begin, int64_t end) {
+void silu_mul_rows(const T* gp, T* op, int64_t I, int64_t begin, int64_t end) {
   const int64_t vec = I / 32 * 32;  // torch's float kernel: 2 vectors a step, the rest of a row scalar
   const __m512 one = _mm512_set1_ps(1.f);
   const __m512i sign = _mm512_set1_epi32(0x80000000);
   for (int64_t r = begin; r < end; ++r) {
-    const at::BFloat16* gate = gp + r * 2 * I;
-    const at::BFloat16* up = gate + I;
-    at::BFloat16* o = op + r * I;
+    const T* gate = gp + r * 2 * I;
+    const T* up = gate + I;
+    T* o = op + r * I;
     for (int64_t j = 0; j < vec; j += 16) {
-      const __m512 x = widen_bf16(gate + j);
+      const __m512 x = Lanes<T>::load(gate + j);
       const __m512 e = Sleef_expf16_u10(_mm512_castsi512_ps(_mm512_xor_si512(sign, _mm512_castps_si512(x))));
-      store_bf16(o + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), widen_bf16(up + j)));
+      Lanes<T>::store(o + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), Lanes<T>::load(up + j)));
     }
     for (int64_t j = vec; j < I; ++j) {
       const float x = static_cast<float>(gate[j]);
       const float s = x / (1.f + std::exp(-x));
-      o[j] = static_cast<at::BFloat16>(s * static_cast<float>(up[j]));
+      o[j] = static_cast<T>(s * static_cast<float>(up[j]));
     }
   }
 }
 
-// gate_up (..., 2 I) bf16 -> bf16 (silu(gate) * up computed in fp32), rows over the threads
-at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
-              "silu_mul_bf16: a bf16 gate_up whose last dimension is 2 I");
+// gate_up (..., 2 I) fp32 or bf16 -> the same dtype (silu(gate) * up computed in fp32), rows over the threads
+template <class T>
+at::Tensor silu_mul_of(const at::Tensor& gate_up) {
   const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
   const auto g = gate_up.reshape({rows, 2 * I}).contiguous();
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto out = at::empty(sizes, gate_up.options());
-  const at::BFloat16* gp = g.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  // a few thousand values a task: one row of a prompt's MLP is already worth a thread
+  const T* gp = g.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // a few thousand values a task: one row of a prompt's MLP is already worth a thread, a step's few rows are not
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
-    silu_mul_rows(gp, op, I, begin, end);
+    silu_mul_rows<T>(gp, op, I, begin, end);
   });
   return out;
+}
+
+// gate_up (..., 2 I) -> silu(gate_up[..., :I]) * gate_up[..., I:]: fp32 in one pass, other dtypes by torch's ops
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: the last dimension must be 2 I");
+  const int64_t I = gate_up.size(-1) / 2;
+  if (gate_up.scalar_type() == at::kFloat && gate_up.device().is_cpu()) return silu_mul_of<float>(gate_up);
+  return at::silu(gate_up.narrow(-1, 0, I)).mul_(gate_up.narrow(-1, I, I));
+}
+
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "silu_mul_bf16: a bf16 gate_up whose last dimension is 2 I");
+  return silu_mul_of<at::BFloat16>(gate_up);
 }
 
 // one row of V logits -> its largest value, the first position of it and the second largest
