@@ -289,40 +289,64 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                 say(f"bench warm-up: {m}")
             runners[m].generate(wids, dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens)))
 
-    it = prompts
-    if progress:
-        it = tqdm(prompts, desc=f"bench {cfg.dataset}", unit="prompt")
-
-    def generate(m: str, ids, gen_cfg):
-        if progress:  # the bar names the method running: one prompt takes seconds per method
-            it.set_postfix_str(m)
-        return runners[m].generate(ids, gen_cfg)
-
     order = list(methods)
     if "ar" in order:  # AR first in the list so match_ar can be judged; timing order still rotates
         order.remove("ar")
         order.insert(0, "ar")
-    for i, prompt in enumerate(it if cfg.batch_sizes[0] == 1 else []):
-        ids = target.encode_prompt(prompt["prompt"])
-        gen_cfg = cfg.generation(seed=cfg.seed + i)
-        for rep in range(cfg.repeats):
-            if all((prompt["id"], m, rep) in done for m in order):
-                continue
-            k = (i * cfg.repeats + rep) % len(order)
-            results = {m: generate(m, ids, gen_cfg) for m in order[k:] + order[:k]}
-            ar = results["ar"] if ("ar" in results and greedy) else None
-            rows = _append_rows(partial, key, rows, [dict(_row(results[m], prompt, m, ar), repeat=rep) for m in order])
-
-    by_batch = {}
-    if getattr(target, "compile", False) and max(cfg.batch_sizes) > 1 and progress:
+    one_at_a_time = cfg.batch_sizes[0] == 1  # the first size 1: each prompt alone through `Runner.generate`
+    sizes = [B for B in cfg.batch_sizes if not (B == 1 and one_at_a_time)]
+    batched = [m for m in order if get_method(m).batches]
+    if getattr(target, "compile", False) and sizes and progress:
         say("batch sizes > 1 decode with eager steps: --compile compiles one request's steps only")
-    for B in cfg.batch_sizes:
-        if B == 1 and 1 in cfg.batch_sizes[:1]:
-            continue  # the one-at-a-time loop above
-        batched = [m for m in order if get_method(m).batches]
-        rows = _bench_batches(cfg, B, prompts, target, runners, batched, rows, done, key, partial, greedy, progress)
-        by_batch[str(B)] = {"methods": aggregate(fastest_pass([r for r in rows if r.get("batch_size") == B]), batched,
-                                                 greedy)}
+    warm = dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens))
+    for B in sizes:  # also times each size's batched verify surface for the budget (outside the timing)
+        for _ in range(cfg.warmup):
+            for m in batched:
+                runners[m].generate_batch([wids] * B, warm)
+    # the work in units -- a prompt alone, or a group of B prompts decoded together (consecutive groups; continuous
+    # batching: all prompts, B rows at once) -- run in the order of their first prompt (the smaller size first):
+    # each size's share is spread over the whole run, so where the machine's speed drifts (a VM's neighbours) every
+    # size's figure moves alike and their ratios (batch B against one at a time) hold
+    units = [(i, 1, i) for i in range(len(prompts))] if one_at_a_time else []
+    for B in sizes:
+        units += [(s, B, g) for g, s in enumerate([0] if cfg.continuous else range(0, len(prompts), B))]
+    units.sort(key=lambda u: (u[0], u[1]))
+    it = tqdm(units, desc=f"bench {cfg.dataset}", unit="unit") if progress else units
+
+    def generate(m: str, ids, gen_cfg, B: int):
+        if progress:  # the bar names the batch size and method running: one unit takes seconds per method
+            it.set_postfix_str(f"batch {B}: {m}" if B > 1 or not one_at_a_time else m)
+        return runners[m].generate(ids, gen_cfg) if B == 1 and one_at_a_time else \
+            runners[m].generate_batch(ids, gen_cfg, max_rows=B)
+
+    for start, B, g in it:
+        if B == 1 and one_at_a_time:
+            prompt = prompts[start]
+            ids = target.encode_prompt(prompt["prompt"])
+            gen_cfg = cfg.generation(seed=cfg.seed + start)
+            for rep in range(cfg.repeats):
+                if all((prompt["id"], m, rep) in done for m in order):
+                    continue
+                k = (start * cfg.repeats + rep) % len(order)
+                results = {m: generate(m, ids, gen_cfg, B) for m in order[k:] + order[:k]}
+                ar = results["ar"] if ("ar" in results and greedy) else None
+                rows = _append_rows(partial, key, rows, [dict(_row(results[m], prompt, m, ar), repeat=rep)
+                                                         for m in order])
+            continue
+        group = prompts if cfg.continuous else prompts[start:start + B]
+        gid = f"batch{B}{'c' if cfg.continuous else ''}:" + "+".join(str(p["id"]) for p in group)
+        ids = [target.encode_prompt(p["prompt"]) for p in group]
+        gen_cfg = cfg.generation(seed=cfg.seed + g)
+        for rep in range(cfg.repeats):
+            if all((gid, m, rep) in done for m in batched):
+                continue
+            k = (g * cfg.repeats + rep) % len(batched)
+            results = {m: generate(m, ids, gen_cfg, B) for m in batched[k:] + batched[:k]}
+            ar = results["ar"] if ("ar" in results and greedy) else None
+            rows = _append_rows(partial, key, rows, [dict(_batch_row(results[m], gid, m, ar, B), repeat=rep)
+                                                     for m in batched])
+    by_batch = {str(B): {"methods": aggregate(fastest_pass([r for r in rows if r.get("batch_size") == B]), batched,
+                                              greedy)} for B in sizes}
     single = [r for r in rows if "batch_size" not in r]
     if single:
         by_batch = {"1": {"methods": aggregate(fastest_pass(single), order, greedy)}, **by_batch}
@@ -359,31 +383,6 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     write_json(out, result)
     partial.unlink(missing_ok=True)
     return result
-
-
-def _bench_batches(cfg: BenchConfig, B: int, prompts, target, runners, order, rows, done, key, partial, greedy,
-                   progress) -> list[dict]:
-    """The prompts in consecutive groups of B, each group decoded together by every method in turn (the
-    order rotating per group and pass, as the one-at-a-time loop rotates), rows appended to `partial`."""
-    wids = target.encode_prompt(WARMUP_PROMPT)
-    warm = dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens))
-    for _ in range(cfg.warmup):  # also times the batched verify surface of the budget (outside the timing)
-        for m in order:
-            runners[m].generate_batch([wids] * B, warm)
-    groups = [prompts] if cfg.continuous else [prompts[i:i + B] for i in range(0, len(prompts), B)]
-    it = tqdm(groups, desc=f"bench {cfg.dataset} batch {B}", unit="batch") if progress else groups
-    for g, group in enumerate(it):
-        gid = f"batch{B}{'c' if cfg.continuous else ''}:" + "+".join(str(p["id"]) for p in group)
-        ids = [target.encode_prompt(p["prompt"]) for p in group]
-        gen_cfg = cfg.generation(seed=cfg.seed + g)
-        for rep in range(cfg.repeats):
-            if all((gid, m, rep) in done for m in order):
-                continue
-            k = (g * cfg.repeats + rep) % len(order)
-            results = {m: runners[m].generate_batch(ids, gen_cfg, max_rows=B) for m in order[k:] + order[:k]}
-            ar = results["ar"] if ("ar" in results and greedy) else None
-            rows = _append_rows(partial, key, rows, [dict(_batch_row(results[m], gid, m, ar, B), repeat=rep) for m in order])
-    return rows
 
 
 def _runners(cfg: BenchConfig, target) -> tuple[dict, dict]:

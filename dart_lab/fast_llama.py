@@ -427,6 +427,12 @@ class BF16Linear:
         return self.raw(x.to(torch.bfloat16)).to(x.dtype)
 
 
+def _bf16_path(f, rows: int) -> "BF16Linear | None":
+    """The bf16 copy linear `f` takes for `rows` rows (`ByRows`), else None."""
+    g = f.paths[f.path(rows)] if isinstance(f, ByRows) else f
+    return g if isinstance(g, BF16Linear) else None
+
+
 def _bf16_mlp(projs, rows: int) -> tuple[str, str] | None:
     """The path names of gate|up and down where both take their bf16 copies (`BF16Linear`) for `rows` rows, else
     None. One table per kind of linear (`int4_by_rows`), so layer 0 answers for every layer, once a step."""
@@ -597,8 +603,11 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
                     o[0, s:e] = attend(qa[:, :, s:e], ka[:, :, s:e], va[:, :, s:e], None, e - s, scaling, causal)[0].transpose(0, 1)
         else:
             o = attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal, nodes).transpose(1, 2)
-        o = o.to(x.dtype)
-        x = x + real(o_proj)(o.reshape(B, N, nh * hd))
+        o_bf16 = _bf16_path(o_proj, B * N) if o.dtype == torch.bfloat16 and not skip else None
+        if o_bf16 is not None:  # a bf16 prompt's heads straight into the o projection's bf16 copy (no round trip)
+            x = x + o_bf16.raw(o.reshape(B, N, nh * hd)).to(x.dtype)
+        else:
+            x = x + real(o_proj)(o.to(x.dtype).reshape(B, N, nh * hd))
         h = _rms_norm(layer.post_attention_layernorm, x)
         if mlp_bf16 is not None:  # both on bf16 copies: silu * up from bf16 to bf16, the same numbers (csrc/norm.cpp)
             g, d = gate_up.paths[mlp_bf16[0]], down.paths[mlp_bf16[1]]

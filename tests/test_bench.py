@@ -159,6 +159,8 @@ def test_bench_batch_sizes_keep_methods_and_add_by_batch(embedded, tmp_path):
     assert {r["batch_size"] for r in batched} == {2}
     assert all(len(r["match_ar_rows"]) == r["rows_at_once"] and all(r["match_ar_rows"]) for r in batched
                if r["method"] == "dart")
+    # the sizes interleaved, each unit in the order of its first prompt (drift on the machine moves both alike)
+    assert [r.get("batch_size", 1) for r in res["per_prompt"] if r["method"] == "ar"] == [1, 2, 1, 1, 2]
     # continuous batching: 2 rows at once over all 3 prompts, one decode per method
     cont = run_bench(dataclasses.replace(cfg, methods=("ar", "dart"), batch_sizes=(2,), continuous=True),
                      tmp_path / "c.json", target=embedded, progress=False)
