@@ -3,6 +3,8 @@
 Rules (so ratios mean something on a noisy machine):
 - same prompts, chat template, max_new_tokens and stop rule (EOS) for all methods;
 - warm-up generations per method before timing; methods interleaved per prompt, rotating the order;
+  several batch sizes interleaved too (each size's groups in the order of their first prompt), so a
+  machine whose speed drifts moves every size alike and batch B against one at a time holds;
 - tokens counted as new token ids, identically for every method (generate.py);
 - time = prefill + decode wall time of one generation (HF `generate` cannot split them); prefill
   is also reported on its own;
@@ -69,7 +71,7 @@ class BenchConfig:
     dtype: str = "auto"
     compile: bool = False  # torch.compile the target's steps (fast_llama.FastTarget.compile)
     # requests decoded together (batch.py); 1 = one at a time (the paper's Tables 1-4), more: Tables 5-7.
-    # The first size fills `methods`, every size `by_batch`
+    # The first size fills `methods`, every size `by_batch`; the sizes' work interleaved in one run
     batch_sizes: tuple = (1,)
     # batches: False = the prompts in consecutive groups of B, each decoded until its last row finishes;
     # True = continuous batching, B rows at once over all prompts, a finished row's place going to the next

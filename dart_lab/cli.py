@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=BenchConfig.repeats,
                    help="T=0: run each prompt this many times per method, count the fastest (a noisy host)")
     b.add_argument("--batch-size", default="1", help="comma list of batch sizes, e.g. 1,2,4,8,16: prompts decoded "
-                   "together (the paper's Tables 5-7); the first fills the table, every size the JSON's by_batch")
+                   "together (the paper's Tables 5-7), the sizes interleaved in the run; the first fills the table, "
+                   "every size the JSON's by_batch")
     b.add_argument("--continuous", action="store_true", help="batches: B rows at once over all the prompts, a "
                    "finished row's place going to the next prompt (continuous batching), instead of groups of B")
     b.add_argument("--out", required=True, help="output JSON file")

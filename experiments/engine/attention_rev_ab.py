@@ -5,7 +5,10 @@ heads, head size 64), each read from memory as in a step, 256 cached keys; the t
 median of each round's fastest of 3. `--spread F`: rows of a batch as long as a batch's are (row b's own keys
 end F b / (B - 1) of the way short of the longest row's, the slots between masked for it, its tree after them).
 
-    python experiments/engine/attention_rev_ab.py --rev HEAD~1 [--rows 1,8] [--nodes 1,2,4,5,8,16] [--spread 0.4]
+    python experiments/engine/attention_rev_ab.py --rev HEAD~1 [--rows 1,8] [--nodes 1,2,4,5,8,16] [--spread 0.4] \
+        [--cache bf16]
+
+`--cache bf16`: the caches in bf16, as a 4-bit or bf16 target keeps them (SDPA then reads them widened to fp32).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--nodes", default="1,2,4,5,8,16")
     ap.add_argument("--spread", type=float, default=0.0)
+    ap.add_argument("--cache", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args(argv)
     if not attention.available():
         print(f"our attention kernel is not built here: {attention.reason()}")
@@ -36,7 +40,9 @@ def main(argv=None) -> int:
     L, Hk, H, D, nk = 30, 3, 9, 64, 256
     nodes = [int(x) for x in args.nodes.split(",")]
     for B in (int(b) for b in args.rows.split(",")):
-        caches = [(torch.randn(B, Hk, 2 * nk, D, generator=g), torch.randn(B, Hk, 2 * nk, D, generator=g)) for _ in range(L)]
+        dt = torch.bfloat16 if args.cache == "bf16" else torch.float32
+        caches = [(torch.randn(B, Hk, 2 * nk, D, generator=g).to(dt), torch.randn(B, Hk, 2 * nk, D, generator=g).to(dt))
+                  for _ in range(L)]
         qs = {n: torch.randn(B, H, n, D, generator=g) for n in nodes}
         masks = {n: torch.zeros(B if args.spread else 1, 1, n, nk) for n in nodes}
         for n in nodes:
