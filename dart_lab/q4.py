@@ -19,7 +19,7 @@ _state: dict = {}
 
 def _register_fake():
     @torch.library.register_fake("dart_lab::q4mm")
-    def _(x, wp, sl, n, halves=1, rows=None):  # shapes for torch.compile
+    def _(x, wp, sl, n, halves=1, rows=None, norm=None, eps=0.0, residual=None):  # shapes for torch.compile
         return x.new_empty(*x.shape[:-1], n)
 
 

@@ -457,6 +457,21 @@ def _q4_kernel_checks():
             y = torch.ops.dart_lab.q4mm(x, lin.wp, lin.sl, N, 1, some) + bias
             full = torch.ops.dart_lab.q4mm(x[some], lin.wp, lin.sl, N, 1) + bias
             assert torch.equal(y[some], full) and not y[1::2].sub(bias).any()
+        from dart_lab import kernels
+        if kernels.rms_norm_here():  # x through a layer's RMSNorm inside the kernel (`norm`): dart_lab::rms_norm's numbers
+            nw = torch.rand(K, generator=g) + 0.5
+            for M in (1, 5, 9, 19):
+                x = torch.randn(M, K, generator=g) * 3
+                ref = torch.ops.dart_lab.q4mm(torch.ops.dart_lab.rms_norm(x, nw, 1e-5), lin.wp, lin.sl, N, 1)
+                assert torch.equal(torch.ops.dart_lab.q4mm(x, lin.wp, lin.sl, N, 1, None, nw, 1e-5), ref)
+                some = torch.arange(0, M, 2)
+                y = torch.ops.dart_lab.q4mm(x, lin.wp, lin.sl, N, 1, some, nw, 1e-5)
+                assert torch.equal(y[some], ref[some]) and not y[1::2].any()
+                # a residual added to the product inside the kernel: at::add's numbers, the rows not computed its own
+                res = torch.randn(M, N, generator=g)
+                assert torch.equal(torch.ops.dart_lab.q4mm(x, lin.wp, lin.sl, N, 1, None, nw, 1e-5, res), res + ref)
+                y = torch.ops.dart_lab.q4mm(x, lin.wp, lin.sl, N, 1, some, nw, 1e-5, res)
+                assert torch.equal(y[some], res[some] + ref[some]) and torch.equal(y[1::2], res[1::2])
         x = torch.randn(2, 3, K, generator=g).to(torch.bfloat16)  # any leading shape and dtype: x's back
         assert lin(x).shape == (2, 3, N) and lin(x).dtype == torch.bfloat16
         # an 8-bit grid (a GGUF Q8_0 LM head) as two 4-bit halves over [x, x]

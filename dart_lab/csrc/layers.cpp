@@ -2,9 +2,10 @@
 // our 4-bit kernel and attention our kernel (built on first use: dart_lab/kernels.py). Why: a one-token step
 // of a 30-layer model makes ~15 op calls a layer; dispatched from Python (several us each) they are a large
 // share of a step whose arithmetic is small (docs/speed.md). Here the same ops are called in the same order
-// from C++ through the dispatcher (dart_lab::rms_norm, q4mm, rope_cache, decode_attn, silu_mul, and ATen's
-// add / reshape), so the numbers are those of fast_llama.decoder_step's eager loop, bit for bit; only the
-// Python between them is gone.
+// from C++ through the dispatcher (dart_lab::q4mm, rope_cache, decode_attn, silu_mul and ATen's reshape; each
+// layer's two norms and two residual adds inside the q4mm that reads or writes them, with dart_lab::rms_norm's and
+// at::add's arithmetic), so the numbers are those of fast_llama.decoder_step's eager loop, bit for bit; only the
+// Python and the ops between them are gone.
 //
 // x (B, N, hidden) fp32 contiguous; per layer i: norms[2i], norms[2i+1] (the input and post-attention RMSNorm
 // weights, fp32), linears 4i..4i+3 (q|k|v, o, gate|up, down) as q4mm's (wp, sl, n_out, halves) and an
@@ -24,20 +25,16 @@ namespace {
 
 using Opt = c10::optional<at::Tensor>;
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("dart_lab::rms_norm", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(x, w, eps);
-}
-
 at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl, int64_t n, int64_t halves,
-                const Opt& bias, const Opt& rows) {
+                const Opt& bias, const Opt& rows, const Opt& norm, double eps, const Opt& residual) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("dart_lab::q4mm", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                         const Opt&)>();
-  auto y = op.call(x, wp, sl, n, halves, rows);
-  if (bias.has_value()) y.add_(*bias);
-  return y;
+                                         const Opt&, const Opt&, double, const Opt&)>();
+  if (bias.has_value()) {  // x W^T + b first, then the residual, as the eager loop adds them
+    auto y = op.call(x, wp, sl, n, halves, rows, norm, eps, c10::nullopt).add_(*bias);
+    return residual.has_value() ? at::add(*residual, y) : y;
+  }
+  return op.call(x, wp, sl, n, halves, rows, norm, eps, residual);
 }
 
 at::Tensor rope_cache(const at::Tensor& heads, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& K,
@@ -77,14 +74,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> q4_layers(
   for (int64_t i = 0; i < L; ++i) {
     for (int64_t t : taps)
       if (t == i) tapped[i] = x;
-    const auto lin = [&](const at::Tensor& in, int64_t j) {
-      return q4mm(in, wp[4 * i + j], sl[4 * i + j], n_out[4 * i + j], halves[4 * i + j], bias.get(4 * i + j), rows);
+    // a linear of layer i; its input through the RMSNorm `norm` first and `residual` added to its output where given
+    // (inside q4mm: no op between)
+    const auto lin = [&](const at::Tensor& in, int64_t j, const Opt& norm, const Opt& residual) {
+      return q4mm(in, wp[4 * i + j], sl[4 * i + j], n_out[4 * i + j], halves[4 * i + j], bias.get(4 * i + j), rows,
+                  norm, eps, residual);
     };
-    auto heads = lin(rms_norm(x, norms[2 * i], eps), 0).view({B, N, H + 2 * Hk, D});
+    auto heads = lin(x, 0, norms[2 * i], c10::nullopt).view({B, N, H + 2 * Hk, D});
     const auto q = rope_cache(heads, cos, sin, K[i], V[i], slots, H, Hk);
     const auto o = decode_attn(q, K[i].narrow(2, 0, n_keys), V[i].narrow(2, 0, n_keys), mask, scale);
-    x = at::add(x, lin(o.transpose(1, 2).reshape({B, N, H * D}), 1));
-    x = at::add(x, lin(silu_mul(lin(rms_norm(x, norms[2 * i + 1], eps), 2)), 3));
+    x = lin(o.transpose(1, 2).reshape({B, N, H * D}), 1, c10::nullopt, x);
+    x = lin(silu_mul(lin(x, 2, norms[2 * i + 1], c10::nullopt)), 3, c10::nullopt, x);
   }
   std::vector<at::Tensor> out;
   for (int64_t t : taps) out.push_back(tapped.at(t));

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 #include <cpuid.h>
 #include <cstdint>
 #include <cstring>
@@ -387,6 +388,42 @@ void round_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_
   }
 }
 
+// x's rows (all M, or rows ri[0..M)) -> w * x / sqrt(mean(x^2) + eps) into xn (M, K), the arithmetic of
+// dart_lab::rms_norm (csrc/norm.cpp) value for value: a decoder layer's norm before its first linear, without an op
+// of its own between them
+__attribute__((target("avx512f")))
+void norm_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, const float* w, double eps, float* xn) {
+  const __mmask16 tail = (__mmask16)((1u << (K % 16)) - 1);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + (ri ? ri[r] : r) * K;
+    float* yr = xn + r * K;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= K; j += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + j);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    if (j < K) {
+      const __m512 v = _mm512_maskz_loadu_ps(tail, xr + j);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 s = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)K + (float)eps));
+    for (j = 0; j + 16 <= K; j += 16)
+      _mm512_storeu_ps(yr + j, _mm512_mul_ps(_mm512_loadu_ps(w + j), _mm512_mul_ps(_mm512_loadu_ps(xr + j), s)));
+    if (j < K)
+      _mm512_mask_storeu_ps(yr + j, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, w + j),
+                                                        _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, xr + j), s)));
+  }
+}
+
+bool avx512_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((b >> 16) & 1);
+  }();
+  return ok;
+}
+
 // rows of `width` written at the front of buf (M x width) -> each repeated `halves` times side by side (M x
 // halves width), in place from the last row back (a row's first copy may overlap where it was read from)
 template <class T>
@@ -400,8 +437,12 @@ void spread_halves(T* buf, int64_t M, int64_t width, int64_t halves) {
 // K / halves inputs read as [x, x] (fast_llama.Int4Linear.of_8bit builds the same groups for torch's kernel).
 // rows (optional, int64): only these rows of x (flat indices) are computed, the others' outputs are 0 -- a batch
 // step's pad nodes cost no arithmetic; a row's numbers do not depend on the rows beside it.
+// norm (optional, fp32 (K,)): x's rows through that RMSNorm first (eps), as dart_lab::rms_norm computes it.
+// residual (optional, fp32, y's shape): y = residual + x W^T (a decoder layer's residual add, the same sums as
+// at::add after the product; a row not computed is the residual's).
 at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl, int64_t n, int64_t halves,
-                const c10::optional<at::Tensor>& rows) {
+                const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& norm, double eps,
+                const c10::optional<at::Tensor>& residual) {
   // x (..., K): any leading shape, so a step's (B, N, K) activations need no reshape around the call
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "q4mm: x must be a contiguous (..., K) float32 CPU tensor");
@@ -427,6 +468,18 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
       if (!computed[r]) std::fill_n(y.data_ptr<float>() + r * n, n, 0.0f);
   }
   if (Mc == 0) return y;
+  const bool normed = norm.has_value() && norm->defined();
+  std::vector<float> xn;  // the computed rows normalized (then read in order: ri applied here)
+  const float* xsrc = x.data_ptr<float>();
+  if (normed) {
+    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->dim() == 1 && norm->size(0) == Kx,
+                "q4mm: norm must be a contiguous float32 (K,) weight");
+    TORCH_CHECK(avx512_usable(), "q4mm: norm needs AVX-512 (the arithmetic of dart_lab::rms_norm)");
+    xn.resize(Mc * Kx);
+    norm_rows(xsrc, ri, Mc, Kx, norm->data_ptr<float>(), eps, xn.data());
+    xsrc = xn.data();
+  }
+  const int64_t* rsrc = normed ? nullptr : ri;  // rows of xsrc to read
   const uint8_t* w = wp.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sl.data_ptr<at::Half>());
   // the computed rows, scattered to theirs in y below (every path stores each output once: no zero fill)
@@ -435,7 +488,7 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
   std::vector<float> xs(Mc * K / 32);
   if (avx2_forced || !bf16_dot_usable()) {  // x's rounding as fp32 numbers
     std::vector<float> xf(Mc * K);
-    round_rows_avx2(x.data_ptr<float>(), ri, Mc, Kx, xf.data(), xs.data());
+    round_rows_avx2(xsrc, rsrc, Mc, Kx, xf.data(), xs.data());
     spread_halves(xf.data(), Mc, Kx, halves);
     spread_halves(xs.data(), Mc, Kx / 32, halves);
     for (int64_t r = 0; r < Mc; r += kMaxRows2) {
@@ -446,7 +499,7 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
     const bool amx = amx_from_rows > 0 && Mc >= amx_from_rows && amx_usable();
     // the tiles read 16 rows at a time: rows past Mc are zeros (their sums are not kept)
     std::vector<uint32_t> xp((amx && Mc > kAmxRows ? (Mc + kAmxRows - 1) / kAmxRows * kAmxRows : Mc) * K / 2);
-    round_rows(x.data_ptr<float>(), ri, Mc, Kx, xp.data(), xs.data());
+    round_rows(xsrc, rsrc, Mc, Kx, xp.data(), xs.data());
     spread_halves(xp.data(), Mc, Kx / 2, halves);
     spread_halves(xs.data(), Mc, Kx / 32, halves);
     if (amx) {
@@ -459,13 +512,21 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
     }
   }
   for (int64_t r = 0; r < (some ? Mc : 0); ++r) std::copy_n(yc.get() + r * n, n, y.data_ptr<float>() + ri[r] * n);
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->is_contiguous() && residual->numel() == M * n,
+                "q4mm: residual must be a contiguous float32 tensor of the output's size");
+    float* yp = y.data_ptr<float>();
+    const float* rp = residual->data_ptr<float>();
+    for (int64_t i = 0; i < M * n; ++i) yp[i] = rp[i] + yp[i];
+  }
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
-  m.def("q4mm(Tensor x, Tensor wp, Tensor sl, int n, int halves=1, Tensor? rows=None) -> Tensor");
+  m.def("q4mm(Tensor x, Tensor wp, Tensor sl, int n, int halves=1, Tensor? rows=None, Tensor? norm=None, "
+        "float eps=0.0, Tensor? residual=None) -> Tensor");
   m.def("q4mm_amx_rows(int rows) -> int", &q4mm_amx_rows);
   m.def("q4mm_avx2(int on) -> int", &q4mm_avx2);
 }
