@@ -23,7 +23,8 @@
 
 namespace {
 
-// rows [begin, end) of rms_norm
+// rows [begin, end) of rms_norm (csrc/q4mm.cpp's norm_rows holds the same arithmetic for a norm inside the 4-bit
+// kernel: change both, the q4 kernel test compares them bit for bit)
 __attribute__((target("avx512f")))
 void rms_norm_rows(const float* xp, const float* wp, float* yp, int64_t n, double eps, int64_t begin, int64_t end) {
   const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);

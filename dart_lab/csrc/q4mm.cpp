@@ -388,9 +388,10 @@ void round_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_
   }
 }
 
-// x's rows (all M, or rows ri[0..M)) -> w * x / sqrt(mean(x^2) + eps) into xn (M, K), the arithmetic of
-// dart_lab::rms_norm (csrc/norm.cpp) value for value: a decoder layer's norm before its first linear, without an op
-// of its own between them
+// x's rows (all M, or rows ri[0..M)) -> w * x / sqrt(mean(x^2) + eps) into xn (M, K): a decoder layer's norm
+// before its first linear, without an op of its own between them. The arithmetic of csrc/norm.cpp's rms_norm_rows
+// line for line (each kernel is built on its own, so each holds a copy; test_q4_kernel_is_the_4bit_grid_to_fp32_rounding
+// checks them bit for bit)
 __attribute__((target("avx512f")))
 void norm_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, const float* w, double eps, float* xn) {
   const __mmask16 tail = (__mmask16)((1u << (K % 16)) - 1);
