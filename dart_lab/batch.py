@@ -197,11 +197,22 @@ class BatchTarget:
         if len(trees) != self.batch_size:
             raise RuntimeError(f"{len(trees)} trees for a batch of {self.batch_size}")
         B, N, P = len(trees), max(len(tr) for tr in trees), self.end
+        lens = torch.tensor(self.lens)
+        if N == 1:  # one node a row (AR steps; theta 0 without copies): no tree to lay out row by row
+            ids = torch.tensor([[int(tr.tokens[0])] for tr in trees])
+            positions = lens[:, None]
+            allowed = torch.empty(B, 1, P + 1, dtype=torch.bool)
+            allowed[:, 0, :P] = torch.arange(P)[None] < lens[:, None]
+            allowed[:, 0, P] = True
+            logits, aux = self._forward(ids, positions, allowed, torch.arange(B), want_aux)
+            self._pending = 1
+            return BatchOutput(list(logits[:, None].unbind(0)), list(aux.unbind(0)) if want_aux else None,
+                               flat=logits)
         sizes = torch.tensor([len(tr) for tr in trees])
         ids = torch.zeros(B, N, dtype=torch.long)
-        positions = torch.tensor(self.lens)[:, None].repeat(1, N)
+        positions = lens[:, None].repeat(1, N)
         allowed = torch.zeros(B, N, P + N, dtype=torch.bool)
-        allowed[:, :, :P] = torch.arange(P)[None, None] < torch.tensor(self.lens)[:, None, None]
+        allowed[:, :, :P] = torch.arange(P)[None, None] < lens[:, None, None]
         allowed[:, :, P:] = torch.eye(N, dtype=torch.bool)  # pad nodes: themselves only
         for b, tr in enumerate(trees):
             n = len(tr)
