@@ -9,6 +9,7 @@ its decoder layers in one op), `generate.top2` (`top2_here`: a step's argmax and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
 
 import torch
@@ -42,7 +43,10 @@ def build(stem: str, need: set[str]) -> str | None:
         # -fopenmp: at::parallel_for is inline and splits work over OpenMP threads only when built with it
         # one build per torch version (an extension built against another torch's headers may not load)
         name = f"dart_lab_{stem}_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-        load(name, [str(source)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        # torch's loader rebuilds when a source or a flag changes, not a header: the headers' digest as a flag
+        digest = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
+        load(name, [str(source)], extra_cflags=["-O3", "-fopenmp", f"-DDART_LAB_HEADERS_{digest}"],
+             extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, a failed build: the kernel is simply not offered
         return f"building {source.name} failed: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"

@@ -21,33 +21,14 @@
 #include <limits>
 #include <tuple>
 
+#include "rms_norm.h"
+
 namespace {
 
-// rows [begin, end) of rms_norm (csrc/q4mm.cpp's norm_rows holds the same arithmetic for a norm inside the 4-bit
-// kernel: change both, the q4 kernel test compares them bit for bit)
+// rows [begin, end) of rms_norm
 __attribute__((target("avx512f")))
 void rms_norm_rows(const float* xp, const float* wp, float* yp, int64_t n, double eps, int64_t begin, int64_t end) {
-  const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
-  for (int64_t r = begin; r < end; ++r) {
-    const float* xr = xp + r * n;
-    float* yr = yp + r * n;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const __m512 v = _mm512_loadu_ps(xr + j);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    if (j < n) {
-      const __m512 v = _mm512_maskz_loadu_ps(tail, xr + j);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const __m512 s = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)n + (float)eps));
-    for (j = 0; j + 16 <= n; j += 16)
-      _mm512_storeu_ps(yr + j, _mm512_mul_ps(_mm512_loadu_ps(wp + j), _mm512_mul_ps(_mm512_loadu_ps(xr + j), s)));
-    if (j < n)
-      _mm512_mask_storeu_ps(yr + j, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, wp + j),
-                                                        _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, xr + j), s)));
-  }
+  for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, yp + r * n, n, eps);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {

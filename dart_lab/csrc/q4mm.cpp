@@ -28,6 +28,8 @@
 #include <unistd.h>
 #include <vector>
 
+#include "rms_norm.h"
+
 namespace {
 
 constexpr int kMaxRows = 8;  // rows sharing one unpacking of the weights (accumulators: 2 per row)
@@ -389,32 +391,10 @@ void round_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_
 }
 
 // x's rows (all M, or rows ri[0..M)) -> w * x / sqrt(mean(x^2) + eps) into xn (M, K): a decoder layer's norm
-// before its first linear, without an op of its own between them. The arithmetic of csrc/norm.cpp's rms_norm_rows
-// line for line (each kernel is built on its own, so each holds a copy; test_q4_kernel_is_the_4bit_grid_to_fp32_rounding
-// checks them bit for bit)
+// before its first linear, without an op of its own between them (rms_norm.h: dart_lab::rms_norm's arithmetic)
 __attribute__((target("avx512f")))
 void norm_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, const float* w, double eps, float* xn) {
-  const __mmask16 tail = (__mmask16)((1u << (K % 16)) - 1);
-  for (int64_t r = 0; r < M; ++r) {
-    const float* xr = x + (ri ? ri[r] : r) * K;
-    float* yr = xn + r * K;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= K; j += 16) {
-      const __m512 v = _mm512_loadu_ps(xr + j);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    if (j < K) {
-      const __m512 v = _mm512_maskz_loadu_ps(tail, xr + j);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const __m512 s = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)K + (float)eps));
-    for (j = 0; j + 16 <= K; j += 16)
-      _mm512_storeu_ps(yr + j, _mm512_mul_ps(_mm512_loadu_ps(w + j), _mm512_mul_ps(_mm512_loadu_ps(xr + j), s)));
-    if (j < K)
-      _mm512_mask_storeu_ps(yr + j, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, w + j),
-                                                        _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, xr + j), s)));
-  }
+  for (int64_t r = 0; r < M; ++r) rms_norm_row(x + (ri ? ri[r] : r) * K, w, xn + r * K, K, eps);
 }
 
 bool avx512_usable() {

@@ -23,6 +23,7 @@ def build_ops(src: str, ns: str):
     folder = Path(tempfile.mkdtemp())
     (folder / f"{ns}.cpp").write_text(src)
     load(name=ns, sources=[str(folder / f"{ns}.cpp")], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+         extra_include_paths=[str(ROOT / "dart_lab" / "csrc")],  # its headers (the working tree's)
          is_python_module=False, verbose=False)
     return getattr(torch.ops, ns)
 
