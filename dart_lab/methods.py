@@ -255,7 +255,9 @@ class Runner:
             budget, curve = self.controller.plan(len(prompt_ids), sampled, cfg.max_new_tokens)
         fallback = budget is not None and budget["fallback_to_ar"]
         drafter = self.drafter.without_tree(curve) if fallback else self.drafter
-        res = generate(self.target, prompt_ids, drafter, cfg)
+        probe = budget is not None and budget.get("probe", False)
+        res = generate(self.target, prompt_ids, drafter, cfg,
+                       tree_steps=self.controller.cfg.fallback_probe_steps if probe else None)
         res.method = self.name
         if budget is not None:
             self.controller.learn(res, budget, curve, sampled)

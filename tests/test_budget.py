@@ -319,8 +319,9 @@ def test_trees_are_priced_at_the_request_context():
 
 def test_ar_fallback_probes_a_tree_every_few_generations():
     """A runner in AR fallback drafts no tree, so no evidence could bring theta back: every
-    `fallback_probe_every`-th generation decodes with the best tree anyway and its steps are observed
-    (lossless like any step); the others stay plain AR steps."""
+    `fallback_probe_every`-th generation decodes its first `fallback_probe_steps` steps with the best tree
+    anyway and those steps are observed (lossless like any step), then plain AR steps; the other
+    generations stay plain AR steps."""
     target = tiny_target("llama")
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
     r.controller.cost = {**r.controller.cost, "verify_ms": {1: 10.0, 2: 100.0, 64: 1000.0}}  # no tree can beat a one-token step
@@ -329,12 +330,15 @@ def test_ar_fallback_probes_a_tree_every_few_generations():
     r.controller.choose(sampled=True)
     assert r.budget_sampled["fallback_to_ar"]
     prompt, every = torch.tensor([5, 9, 14, 5, 9, 22, 31]), BudgetConfig().fallback_probe_every
+    r.controller.cfg = dataclasses.replace(r.controller.cfg, fallback_probe_steps=4)
     cfg = GenerationConfig(max_new_tokens=12, temperature=1.0, stop_on_eos=False, seed=0)
     trees = []
     for _ in range(2 * every):
         seen = len(r.controller.observed.sampled)
         res = r.generate(prompt, cfg)
         tree_steps = [s for s in res.steps if "path_ranks" in s]
+        assert [s["tree_size"] > 1 for s in res.steps] == [i < len(tree_steps) for i in range(len(res.steps))]
+        assert len(tree_steps) in (0, 4) and len(res.steps) > 4
         trees.append(bool(tree_steps))
         assert len(r.controller.observed.sampled) == seen + len(tree_steps)
         assert res.config["tree_budget"].get("probe", False) == bool(tree_steps)
