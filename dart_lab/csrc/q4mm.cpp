@@ -61,9 +61,10 @@ void q4_block(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint
     for (int r = 0; r < M; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
     for (int t = 0; t < 8; ++t) {
       const int64_t quad = g * 8 + t;
-      // 1 KB ahead: with several rows a block's arithmetic is long enough that the hardware prefetcher alone
-      // leaves loads waiting (a prefetch past the end is harmless)
-      _mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);
+      // 2 KB ahead: with several rows a block's arithmetic is long enough that the hardware prefetcher alone
+      // leaves loads waiting, and one row's stream keeps more reads in flight than at 1 KB (a prefetch past the
+      // end is harmless; experiments/engine/q4_prefetch_ab.py)
+      _mm_prefetch((const char*)(wb + (quad + 64) * 32), _MM_HINT_T0);
       __m512i wl, wh;
       lookup_quad(wb + quad * 32, wl, wh);
       for (int r = 0; r < M; ++r) {

@@ -1,5 +1,5 @@
 """How far ahead our 4-bit kernel should prefetch, on this CPU: variants of `dart_lab/csrc/q4mm.cpp` with the
-prefetch distance (1, 2, 4 KB) and hint (L1 / L2) changed, or no prefetch, built side by side (each under its
+prefetch distance (1-8 KB) and hint (L1 / L2) changed, a far and a near one, or no prefetch, built side by side (each under its
 own op namespace) and timed on one sweep over the embedded target's 120 decoder linear shapes (random 4-bit
 weights: the kernel's time does not depend on their values), 9 alternating rounds, median of each round's
 fastest of 3.
@@ -9,6 +9,7 @@ fastest of 3.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -17,16 +18,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_ab import alternate, build_ops, q4_sweep, q4_weights, source  # noqa: E402
 
-LINE = "_mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);"
-VARIANTS = {"1KB": (32, "_MM_HINT_T0"), "2KB": (64, "_MM_HINT_T0"), "4KB": (128, "_MM_HINT_T0"),
-            "2KB-L2": (64, "_MM_HINT_T1"), "4KB-L2": (128, "_MM_HINT_T1"), "none": None}
+# every prefetch of the weights in the kernel's paths (the one a CPU runs is the one timed)
+LINE = re.compile(r"_mm_prefetch\(\(const char\*\)\(wb \+ \(quad \+ \d+\) \* 32\), _MM_HINT_T\d\);")
+# each variant: the prefetches a quad issues, (quads ahead, hint); two of them: a far one into L2, a near one into L1
+VARIANTS = {"1KB": [(32, "_MM_HINT_T0")], "2KB": [(64, "_MM_HINT_T0")], "4KB": [(128, "_MM_HINT_T0")],
+            "2KB-L2": [(64, "_MM_HINT_T1")], "4KB-L2": [(128, "_MM_HINT_T1")], "8KB-L2": [(256, "_MM_HINT_T1")],
+            "1KB+4KB-L2": [(32, "_MM_HINT_T0"), (128, "_MM_HINT_T1")], "none": []}
 
 
 def build(name: str, spec):
     src = source("q4mm")
-    assert LINE in src, "the kernel's prefetch line changed: update this experiment"
-    line = "" if spec is None else f"_mm_prefetch((const char*)(wb + (quad + {spec[0]}) * 32), {spec[1]});"
-    return build_ops(src.replace(LINE, line), "v_" + name.replace("-", "_")).q4mm
+    assert LINE.search(src), "the kernel's prefetch line changed: update this experiment"
+    line = " ".join(f"_mm_prefetch((const char*)(wb + (quad + {d}) * 32), {h});" for d, h in spec)
+    return build_ops(LINE.sub(lambda _: line, src), "v_" + name.replace("-", "_").replace("+", "_")).q4mm
 
 
 def main(argv=None) -> int:
