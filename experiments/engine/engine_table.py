@@ -113,8 +113,9 @@ def main():
                    for d, run in runs.items() for m, r in run["methods"].items() if m not in ("ar",)]
             n = sum(x[2] or 0 for x in div)
             worst = max((x[3] for x in div if x[3] is not None), default=None)
-            print(f"- divergences from AR (bf16): {n} (method, prompt) pairs, largest AR top-1 minus top-2 margin there "
-                  f"{worst}; unexplained: {sum(x[4] or 0 for x in div)}")
+            dtypes = ", ".join(sorted({str(run["machine"].get("dtype")) for run in runs.values()}))
+            print(f"- divergences from AR ({dtypes}): {n} (method, prompt) pairs, largest AR top-1 minus top-2 margin "
+                  f"there {worst if worst is None else round(worst, 3)}; unexplained: {sum(x[4] or 0 for x in div)}")
             r = runs.get("mt_bench") or next(iter(runs.values()))
             b = r["drafters"].get("dart", {}).get("tree_budget")
             if b:
