@@ -158,10 +158,8 @@ def count_new_tokens(new: list[int], target: Target, cfg: GenerationConfig) -> l
 
 @torch.no_grad()
 def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
-             cfg: GenerationConfig = GenerationConfig(), tree_steps: int | None = None) -> GenerationResult:
-    """Generate up to cfg.max_new_tokens after prompt_ids (T,) with `drafter` (None = AR). tree_steps: the
-    drafter proposes trees for the first this many steps only, then plain one-token steps (it still observes
-    every step): the automatic budget's probe while in AR fallback (`BudgetConfig.fallback_probe_steps`)."""
+             cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
+    """Generate up to cfg.max_new_tokens after prompt_ids (T,) with `drafter` (None = AR)."""
     drafter = drafter or Drafter()
     prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
     dev = target.device
@@ -192,7 +190,7 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
         # 1. draft: the drafter proposes a tree rooted at the last token
         ta = time.perf_counter()
         drafter.last_timing = {}
-        tree = drafter.propose(ids) if tree_steps is None or len(steps) < tree_steps else Tree.single(ids[-1])
+        tree = drafter.propose(ids)
         if int(tree.tokens[0]) != ids[-1]:
             raise RuntimeError(f"drafter {drafter.name} returned a tree whose root is not the last token")
         if target.seq_len + int(tree.depths.max()) + 1 > target.max_context:

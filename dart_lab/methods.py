@@ -27,6 +27,7 @@ from .llamacpp import LlamaCpp, unavailable_reason as llamacpp_unavailable
 from .loading import load_target
 from .ngram import NGram, build_ngram
 from .search import TreeSearchConfig
+from .tree import Tree
 
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
 
@@ -218,6 +219,39 @@ def _sps(target, opts, cache):
     return SPSDrafter(cache["sps"], opts.sps_draft_len)
 
 
+class Probe(Drafter):
+    """The automatic budget's probe while a runner is in AR fallback (`BudgetConfig.fallback_probe_steps`):
+    `drafter`'s trees for the first `steps` steps of an answer -- enough to see its acceptance by rank -- then
+    what the fallback runs (`after`: the drafter without its tree, e.g. dart-ctx's copies; None: one-token
+    steps). `drafter` observes every step, so its state follows the whole answer."""
+
+    def __init__(self, drafter: Drafter, steps: int, after: Drafter | None):
+        super().__init__()
+        self.drafter, self.steps, self.after = drafter, steps, after
+        self.name, self.needs_aux, self.proposed = drafter.name, drafter.needs_aux, 0
+
+    def begin(self, target, ids, aux):
+        self.proposed = 0
+        self.drafter.begin(target, ids, aux)
+
+    def propose(self, ids):
+        self.proposed += 1
+        by = self.drafter if self.proposed <= self.steps else self.after
+        if by is None:
+            self.last_timing = {}
+            return Tree.single(ids[-1])
+        by.last_timing = {}
+        tree = by.propose(ids)
+        self.last_timing = by.last_timing
+        return tree
+
+    def observe(self, ids, aux):
+        self.drafter.observe(ids, aux)
+
+    def config(self) -> dict:
+        return self.drafter.config()
+
+
 class Runner:
     """A decoding method bound to a target: `generate(ids, cfg) -> GenerationResult`.
     With an automatic tree budget its `controller` (budget.BudgetController) calibrates once when built,
@@ -255,9 +289,9 @@ class Runner:
             budget, curve = self.controller.plan(len(prompt_ids), sampled, cfg.max_new_tokens)
         fallback = budget is not None and budget["fallback_to_ar"]
         drafter = self.drafter.without_tree(curve) if fallback else self.drafter
-        probe = budget is not None and budget.get("probe", False)
-        res = generate(self.target, prompt_ids, drafter, cfg,
-                       tree_steps=self.controller.cfg.fallback_probe_steps if probe else None)
+        if budget is not None and budget.get("probe", False):
+            drafter = Probe(self.drafter, self.controller.cfg.fallback_probe_steps, self.drafter.without_tree(curve))
+        res = generate(self.target, prompt_ids, drafter, cfg)
         res.method = self.name
         if budget is not None:
             self.controller.learn(res, budget, curve, sampled)

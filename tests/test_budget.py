@@ -601,3 +601,38 @@ def test_a_batch_that_fell_back_turns_trees_on_only_where_they_clearly_pay(monke
         assert policy(4)[0] == 0  # the batch's widest step: AR
         assert (policy(1)[0] > 0) == resumes
         assert c.batch_policy(one, False, 8, [r.drafter])(1)[0] > 0  # a batch that starts at one row: its tree
+
+
+def test_a_probe_drafts_its_trees_then_runs_what_the_fallback_runs():
+    """`methods.Probe`: the drafter's trees for the first `steps` proposals of an answer, then the fallback's
+    drafter (dart-ctx's copies without a tree) or, with none, one-token trees; the drafter observes every step,
+    and a new answer starts over."""
+    from dart_lab.generate import Drafter
+    from dart_lab.methods import Probe
+    from dart_lab.tree import Tree
+
+    class Named(Drafter):
+        def __init__(self, tag):
+            super().__init__()
+            self.tag, self.seen = tag, []
+
+        def propose(self, ids):
+            self.last_timing = {"draft_ms": float(self.tag)}
+            return Tree.from_paths(ids[-1], [[self.tag]])
+
+        def observe(self, ids, aux):
+            self.seen.append(len(ids))
+
+    for after in (Named(7), None):
+        inner = Named(3)
+        p = Probe(inner, 2, after)
+        for _ in range(2):  # two answers
+            p.begin(None, [1], None)
+            got = []
+            for k in range(4):
+                tree = p.propose([1] * (k + 1))
+                got.append((tree.tokens.tolist(), p.last_timing.get("draft_ms")))
+                p.observe([1] * (k + 2), None)
+            assert got[:2] == [([1, 3], 3.0)] * 2
+            assert got[2:] == ([([1, 7], 7.0)] * 2 if after else [([1], None)] * 2)
+        assert inner.seen == [2, 3, 4, 5] * 2
