@@ -79,9 +79,10 @@ class BudgetConfig:
     # the best tree anyway (when the drafter learns theta in that mode): a fallback drafts no tree, so without a
     # probe no evidence could bring theta back (seen at T=1: dart-ctx on Alpaca fell back after two prompts and
     # stayed, tau 1.08, where dart at theta 4-5 kept 1.01x AR)
-    fallback_probe_steps: int = 32  # a probe drafts trees for its first this many steps, then takes plain AR
-    # steps: enough steps to show the acceptance by rank, without a whole answer of trees expected to lose (a
-    # 128-token probe at 0.75-0.93x AR, every fourth answer, cost DART 3-5 % where its trees never paid)
+    fallback_probe_steps: int = 32  # a probe drafts trees for its first this many steps, then runs what the
+    # fallback runs (`methods.Probe`): enough steps to show the acceptance by rank, without a whole answer of trees
+    # expected to lose (a 128-token probe at 0.75-0.93x AR, every fourth answer, cost DART 3-5 % where its trees
+    # never paid)
     batch_resume_gain: float = 1.1  # a batch whose widest step fell back to AR turns trees on as rows finish only
     # where one is expected to gain this much: the head first catches up on every position since the prompt (not
     # priced), and trees at the last 1-2 rows sit near break-even (measured at 4 rows: 0.976x AR turning them on,

@@ -73,8 +73,8 @@ def memory_read_gbs(mbytes: int = 256, repeats: int = 5, device: str | torch.dev
     """Memory read bandwidth in GB/s: the best of `repeats` sums over a `mbytes` MB buffer (far larger than
     any cache; the sum's arithmetic is far below what the cores can do, so reading is the limit), about a
     second on a CPU. A one-token step must read every weight once, so weight bytes / step time over this
-    figure says how close the step is to the hardware's floor (the buffer on 2 MB pages where the OS has them:
-    the best the memory streams, the same from run to run)."""
+    figure says how close the step is to the hardware's floor (the buffer on 2 MB pages where the OS has them,
+    so a reading does not depend on the pages an allocation happened to get; a VM's host still moves it)."""
     dev = torch.device(device)
     buf, held = _probe_buffer(mbytes * (1 << 20) // 4, dev)
     times = []

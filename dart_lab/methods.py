@@ -287,10 +287,11 @@ class Runner:
         budget = curve = None
         if self.controller is not None:
             budget, curve = self.controller.plan(len(prompt_ids), sampled, cfg.max_new_tokens)
-        fallback = budget is not None and budget["fallback_to_ar"]
-        drafter = self.drafter.without_tree(curve) if fallback else self.drafter
-        if budget is not None and budget.get("probe", False):
+        drafter = self.drafter
+        if budget is not None and budget.get("probe", False):  # in fallback: a few steps with the best tree
             drafter = Probe(self.drafter, self.controller.cfg.fallback_probe_steps, self.drafter.without_tree(curve))
+        elif budget is not None and budget["fallback_to_ar"]:
+            drafter = self.drafter.without_tree(curve)
         res = generate(self.target, prompt_ids, drafter, cfg)
         res.method = self.name
         if budget is not None:
