@@ -8,7 +8,8 @@ K and V once for all the query heads sharing them, from an fp32 or a bf16 cache 
 step streams more K/V than weights), computing in fp32 with an exact softmax; it is used up to the
 largest node count a row at which it measured faster than SDPA on this machine (`prepare`, once per
 process and head geometry), so a CPU where it loses never takes it. Built on first use
-(`kernels.build`); it needs AVX-512 (`reason()` says why it is absent).
+(`kernels.build`); it needs AVX2 + FMA + F16C and runs its AVX-512 build where the CPU has one (`reason()` says
+why it is absent).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _register_fake():
 
 def reason() -> str | None:
     """Why our kernel is not available here (None when it is)."""
-    return kernels.reason(_state, "attention", {"avx512f"}, _register_fake)
+    return kernels.reason(_state, "attention", kernels.EAGER_ISA, _register_fake)
 
 
 def available() -> bool:

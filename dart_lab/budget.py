@@ -120,6 +120,7 @@ def fingerprint(target) -> dict:
             "cache_dtype": str(getattr(target, "cache_dtype", target.dtype)),
             "attention_kernel_nodes": getattr(target, "attention_nodes", 0),  # steps on our kernel (attention.py)
             "norm_kernel": kernels.rms_norm_here() if getattr(target, "runner", "hf") == "fast" else False,
+            "kernel_isa": kernels.isa(),  # which build of our kernels runs (AVX-512 or AVX2: csrc/vec.h)
             "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve
             "compiled": ({"node_buckets": list(target.node_buckets), "key_bucket": target.key_bucket}
                          if getattr(target, "compile", False) else False),

@@ -819,8 +819,9 @@ class FastTarget(Target):
     # step's pad nodes skipped by the linears and the attention kernel; 16: the eager layers skip them too, and the
     # weights' key is taken once a request; 17: the attention kernel's scores 4 keys at a time, each row's mask and
     # max on vectors; 18: q scaled as the attention kernel loads it, the MLP's fp32 silu * up in one pass; 19: a
-    # layer's norms and residual adds inside the 4-bit kernel that reads or writes them)
-    runner_revision = 19
+    # layer's norms and residual adds inside the 4-bit kernel that reads or writes them; 20: the eager-step kernels
+    # built for AVX2 too)
+    runner_revision = 20
     # the same for the 4-bit path alone, so a change there leaves dense curves valid (2: the LM head in
     # 4-bit halves for 2+ rows and in fp16 for one row; 3: each linear's path measured per row count;
     # 4: a prompt on its rows' path; 5: compiled steps on the measured paths too; 6: our 4-bit kernel, q4.py,

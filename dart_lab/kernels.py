@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -17,16 +18,33 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 
 
+# the instruction sets the eager-step kernels are written for (x86-64-v3); each is built for AVX-512 too, and
+# picks that build at run time where the CPU has it (csrc/vec.h)
+EAGER_ISA = {"avx2", "fma", "f16c"}
+
+
 def cpu_flags() -> set[str]:
-    """This CPU's instruction-set flags (/proc/cpuinfo), empty where they cannot be read."""
+    """This CPU's instruction-set flags (/proc/cpuinfo), empty where they cannot be read. With DART_LAB_ISA=avx2
+    in the environment, without AVX-512 and AMX: the kernels then run their AVX2 builds (csrc/vec.h reads the same
+    variable), as on a CPU without them -- tests and A/B timings of that path on a CPU that has both."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
+            flags = set(line.split(":", 1)[1].split())
+            if os.environ.get("DART_LAB_ISA") == "avx2":
+                flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
+            return flags
     return set()
+
+
+def isa() -> str:
+    """Which build of the eager-step kernels runs here: "avx512", "avx2" (csrc/vec.h), or "none" (a CPU without
+    AVX2 + FMA + F16C, or one whose flags cannot be read)."""
+    flags = cpu_flags()
+    return "avx512" if "avx512f" in flags else "avx2" if EAGER_ISA <= flags else "none"
 
 
 def build(stem: str, need: set[str]) -> str | None:
@@ -65,10 +83,10 @@ def reason(state: dict, stem: str, need: set[str], register_fake) -> str | None:
 
 
 def _built(state: dict, stem: str) -> bool:
-    """Whether an eager-step kernel (`csrc/<stem>.cpp`, AVX-512) is built here; after the first call one dict
+    """Whether an eager-step kernel (`csrc/<stem>.cpp`, `EAGER_ISA`) is built here; after the first call one dict
     lookup, so a step may ask for each of its ops."""
     if "reason" not in state:
-        reason(state, stem, {"avx512f"}, lambda: None)
+        reason(state, stem, EAGER_ISA, lambda: None)
     return state["reason"] is None
 
 

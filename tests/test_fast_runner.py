@@ -1,6 +1,11 @@
 """The lean Llama-family runner: chosen automatically where it applies, refused in one line where
 not; its cache grows and follows dtype changes without changing results. (Its logits, aux states and
 compaction are held against the model's own forward in test_target.py, like the HF runner's.)"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
@@ -811,3 +816,38 @@ def test_rms_norm_op_is_torchs_to_fp32_rounding():
         for scale in (4, 40):
             gu = (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
             assert torch.equal(torch.ops.dart_lab.silu_mul_bf16(gu), torch.ops.dart_lab.silu_mul(gu.float()).to(torch.bfloat16))
+
+
+# the kernel tests above that run our C++ kernels: again under their AVX2 builds where this CPU has AVX-512
+KERNEL_TESTS = ("layers_in_one_op or q4_kernel or attention_kernel or rope_cache or rope_heads or top2 or move_slots "
+                "or either_attention or rms_norm_op or int4_steps_on_our or isa_variable")
+
+
+def test_the_isa_variable_picks_the_kernels_build():
+    """DART_LAB_ISA=avx2 runs every kernel's AVX2 build (`kernels.isa()`, the 4-bit kernel's AVX2 path) on a CPU
+    that has AVX-512 too; unset, the AVX-512 builds run where the CPU has them."""
+    from dart_lab import kernels
+    flags = kernels.cpu_flags()
+    if not kernels.EAGER_ISA <= flags:
+        pytest.skip("this CPU lacks AVX2 + FMA + F16C: no kernel build runs")
+    if os.environ.get("DART_LAB_ISA") == "avx2":
+        assert kernels.isa() == "avx2" and not any(f.startswith("avx512") for f in flags)
+        assert not q4.available() or q4.avx2_path()
+    else:
+        assert kernels.isa() == ("avx512" if "avx512f" in flags else "avx2")
+
+
+def test_the_kernels_avx2_builds_pass_the_kernel_tests():
+    """The eager-step kernels are written once for 16 lanes and built for AVX-512 and for AVX2 (csrc/vec.h; most
+    laptops' CPUs have AVX2 only). On a CPU with AVX-512 the tests above run the AVX-512 builds; here they run
+    again in a process with DART_LAB_ISA=avx2 and torch's own AVX2 kernels (ATEN_CPU_CAPABILITY), against the same
+    references (torch's ops, SDPA, the public forward), and must all pass, none skipped."""
+    from dart_lab import kernels
+    if kernels.isa() != "avx512" or os.environ.get("DART_LAB_ISA"):
+        pytest.skip("the tests above ran this CPU's only build already")
+    env = {**os.environ, "DART_LAB_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", KERNEL_TESTS],
+                         env=env, capture_output=True, text=True, cwd=Path(__file__).parent)
+    tail = run.stdout[-3000:]
+    assert run.returncode == 0, tail
+    assert "skipped" not in tail and "passed" in tail, tail

@@ -28,7 +28,14 @@
 #include <unistd.h>
 #include <vector>
 
+#include "vec.h"
+
+DART_LAB_ISA_BEGIN(avx512, "avx512f")
 #include "rms_norm.h"
+DART_LAB_ISA_END
+DART_LAB_ISA_BEGIN(avx2, "avx2,fma,f16c")
+#include "rms_norm.h"
+DART_LAB_ISA_END
 
 namespace {
 
@@ -370,7 +377,7 @@ bool avx2_forced = false;  // the AVX2 path on a CPU that has the other (tests a
 
 int64_t q4mm_avx2(int64_t on) {
   // on >= 0: force the AVX2 path (1) or not (0); returns the setting before (1 where the CPU offers no other)
-  const int64_t previous = (avx2_forced || !bf16_dot_usable()) ? 1 : 0;
+  const int64_t previous = (avx2_forced || !bf16_dot_usable() || !avx512_here()) ? 1 : 0;
   if (on >= 0) avx2_forced = on != 0;
   return previous;
 }
@@ -393,17 +400,9 @@ void round_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_
 
 // x's rows (all M, or rows ri[0..M)) -> w * x / sqrt(mean(x^2) + eps) into xn (M, K): a decoder layer's norm
 // before its first linear, without an op of its own between them (rms_norm.h: dart_lab::rms_norm's arithmetic)
-__attribute__((target("avx512f")))
 void norm_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, const float* w, double eps, float* xn) {
-  for (int64_t r = 0; r < M; ++r) rms_norm_row(x + (ri ? ri[r] : r) * K, w, xn + r * K, K, eps);
-}
-
-bool avx512_usable() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((b >> 16) & 1);
-  }();
-  return ok;
+  const auto row = avx512_here() ? avx512::rms_norm_row : avx2::rms_norm_row;
+  for (int64_t r = 0; r < M; ++r) row(x + (ri ? ri[r] : r) * K, w, xn + r * K, K, eps);
 }
 
 // rows of `width` written at the front of buf (M x width) -> each repeated `halves` times side by side (M x
@@ -456,7 +455,6 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
   if (normed) {
     TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->dim() == 1 && norm->size(0) == Kx,
                 "q4mm: norm must be a contiguous float32 (K,) weight");
-    TORCH_CHECK(avx512_usable(), "q4mm: norm needs AVX-512 (the arithmetic of dart_lab::rms_norm)");
     xn.resize(Mc * Kx);
     norm_rows(xsrc, ri, Mc, Kx, norm->data_ptr<float>(), eps, xn.data());
     xsrc = xn.data();
@@ -468,7 +466,7 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
   std::unique_ptr<float[]> yc(some ? new float[Mc * n] : nullptr);
   float* yp = some ? yc.get() : y.data_ptr<float>();
   std::vector<float> xs(Mc * K / 32);
-  if (avx2_forced || !bf16_dot_usable()) {  // x's rounding as fp32 numbers
+  if (avx2_forced || !bf16_dot_usable() || !avx512_here()) {  // x's rounding as fp32 numbers
     std::vector<float> xf(Mc * K);
     round_rows_avx2(xsrc, rsrc, Mc, Kx, xf.data(), xs.data());
     spread_halves(xf.data(), Mc, Kx, halves);

@@ -1,5 +1,6 @@
-// dart_lab::rope_cache -- a decoding step's rotary embedding and K/V cache write in one op, fp32 on CPUs with
-// AVX-512 (built on first use: dart_lab/kernels.py). Why: between the q|k|v projection and attention an eager
+// dart_lab::rope_cache -- a decoding step's rotary embedding and K/V cache write in one op, fp32 (plain
+// loops the compiler vectorises: every value is computed on its own, so any vector width gives the same numbers;
+// built on first use: dart_lab/kernels.py). Why: between the q|k|v projection and attention an eager
 // step spends ~15 small ops a layer (slices, the rotation's mul / neg / cat / mul / add, two casts, two
 // index_copy_) on a few hundred numbers a row; their dispatch, not their arithmetic, is the cost.
 //
@@ -21,7 +22,6 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -32,36 +32,20 @@
 namespace {
 
 // out[0:D] = x cos + [-x2, x1] sin
-__attribute__((target("avx512f")))
 inline void rotate(const float* x, const float* c, const float* s, float* out, int64_t D) {
   const int64_t h = D / 2;
-  for (int64_t i = 0; i < h; i += 16) {
-    const __mmask16 m = (__mmask16)(h - i >= 16 ? 0xffff : (1u << (h - i)) - 1);
-    const __m512 x1 = _mm512_maskz_loadu_ps(m, x + i), x2 = _mm512_maskz_loadu_ps(m, x + h + i);
-    const __m512 neg_x2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32(INT32_MIN)));
-    _mm512_mask_storeu_ps(out + i, m, _mm512_add_ps(_mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, c + i)),
-                                                    _mm512_mul_ps(neg_x2, _mm512_maskz_loadu_ps(m, s + i))));
-    _mm512_mask_storeu_ps(out + h + i, m, _mm512_add_ps(_mm512_mul_ps(x2, _mm512_maskz_loadu_ps(m, c + h + i)),
-                                                        _mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, s + h + i))));
+  for (int64_t i = 0; i < h; ++i) {
+    out[i] = x[i] * c[i] + (-x[h + i]) * s[i];
+    out[h + i] = x[h + i] * c[h + i] + x[i] * s[h + i];
   }
 }
 
 // fp32 -> bf16, round to nearest even (finite values: a step's K and V)
-__attribute__((target("avx512f")))
 inline void store_bf16(const float* x, uint16_t* out, int64_t D) {
-  for (int64_t i = 0; i < D; i += 16) {
-    const __mmask16 m = (__mmask16)(D - i >= 16 ? 0xffff : (1u << (D - i)) - 1);
-    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + i));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __m256i r16 = _mm512_cvtepi32_epi16(r);
-    if (m == 0xffff) {
-      _mm256_storeu_si256((__m256i*)(out + i), r16);
-    } else {
-      alignas(32) uint16_t t[16];
-      _mm256_store_si256((__m256i*)t, r16);
-      std::copy(t, t + (D - i), out + i);
-    }
+  for (int64_t i = 0; i < D; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    out[i] = (uint16_t)((u + ((u >> 16) & 1) + 0x7fff) >> 16);
   }
 }
 
@@ -77,7 +61,6 @@ void check_heads(const char* op, const at::Tensor& heads, const at::Tensor& cos,
               op, ": cos and sin must be contiguous (B, N, D) float32");
 }
 
-__attribute__((target("avx512f")))
 at::Tensor rope_cache(const at::Tensor& heads, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K,
                       at::Tensor V, const at::Tensor& slots, int64_t H, int64_t Hk) {
   check_heads("rope_cache", heads, cos, sin, H, Hk);
@@ -121,7 +104,6 @@ at::Tensor rope_cache(const at::Tensor& heads, const at::Tensor& cos, const at::
 }
 
 // positions p0..p1 of the B * N a prompt's heads hold
-__attribute__((target("avx512f")))
 void rope_heads_range(const float* hp, const float* cp, const float* snp, float* qp, float* kp, float* vp, int64_t N,
                       int64_t H, int64_t Hk, int64_t D, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
