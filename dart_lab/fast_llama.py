@@ -830,8 +830,9 @@ class FastTarget(Target):
     # rows on AMX tiles where the CPU has them; 11: two groups at a time through two sets of tiles, AMX from 2 rows; 12:
     # 1024 rows in the layers' sweep, a batch's prompts packed in one forward; 13: our kernel on CPUs with AVX2 only;
     # 14: a median out of proportion with its path's previous one timed again, each output dropped in a sweep;
-    # 15: the AMX tiles' groups software-pipelined, 2-16 rows cheaper; 16: the AVX-512 path prefetches 2 KB ahead)
-    int4_revision = 16
+    # 15: the AMX tiles' groups software-pipelined, 2-16 rows cheaper; 16: the AVX-512 path prefetches 2 KB ahead;
+    # 17: the AVX2 path multiplies x's groups as 16-bit integers)
+    int4_revision = 17
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
     # arithmetic for AR and trees)

@@ -1,7 +1,8 @@
 """A 4-bit weight-only matmul of our own (`dart_lab/csrc/q4mm.cpp`): the same 4-bit groups as
 `fast_llama.Int4Linear` (GGUF Q4_1: w = q * scale + low per 32 inputs), multiplied by x rounded to bf16 with
-fp32 sums -- bf16 lookups and VDPBF16PS on CPUs with AVX512-BF16, the 4-bit values widened to fp32 and FMAs on
-CPUs with AVX2 only (`avx2_path`). Faster than torch's int4 CPU kernel and closer to the weights (torch's
+fp32 sums (bf16 lookups and VDPBF16PS) on CPUs with AVX512-BF16; on CPUs with AVX2 only (`avx2_path`) by each
+group of 32 inputs as 16-bit integers times a scale (VPMADDWD, exact integer sums, then fp32: closer to x than
+bf16 for a group's larger values, and a third of the instructions a weight that fp32 FMAs took). Faster than torch's int4 CPU kernel and closer to the weights (torch's
 rounds each group's scale and zero to bf16; this keeps the GGUF's own fp16 values). It is one more path
 `fast_llama.int4_by_rows` times per row count: taken only where it measures faster. On CPUs with AMX (Intel
 Xeon since Sapphire Rapids) steps of several rows multiply on the tile unit (`amx_rows`).
@@ -40,9 +41,9 @@ def amx_rows(rows: int | None = None) -> int:
 
 
 def avx2_path(on: bool | None = None) -> bool:
-    """Whether the kernel takes its AVX2 path (the one a CPU without AVX512-BF16 has); on: force it or not, for
-    tests and A/B timings on a CPU that has both (the setting before is returned). The same y = bf16(x) W^T,
-    its sums in another order."""
+    """Whether the kernel takes its AVX2 path (the one a CPU without AVX512-BF16 has, and DART_LAB_ISA=avx2 asks
+    for); on: force it or not, for tests and A/B timings on a CPU that has both (the setting before is returned).
+    y = x' W^T there with x' each group of x as 16-bit integers times a scale, not bf16(x)."""
     return bool(torch.ops.dart_lab.q4mm_avx2(-1 if on is None else int(on))) if available() else False
 
 

@@ -422,11 +422,12 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
 
 
 def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
-    """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = bf16(x) W^T with W = q * scale + low exactly, to
-    fp32 rounding, for any row count (rows go through the kernel 8 at a time; on AMX tiles 16 at a time, both
-    paths checked where the CPU has AMX; the AVX2 path 6 at a time, checked on every CPU) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for
-    some rows only, those rows' numbers as computed alone and 0 for the others. `pack` refuses what the kernel
-    cannot hold."""
+    """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = x' W^T with W = q * scale + low exactly, to fp32
+    rounding, for any row count, x' = bf16(x) on its AVX-512 paths (rows 8 at a time; on AMX tiles 16 at a time,
+    both checked where the CPU has AMX) and x's groups of 32 as 16-bit integers times a scale on its AVX2 path (4
+    rows at a time, checked on every CPU) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for some
+    rows only, those rows' numbers as computed alone and 0 for the others. `pack` refuses what the kernel cannot
+    hold."""
     if not q4.available():
         pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
     default, avx2 = q4.amx_rows(), q4.avx2_path()
@@ -434,16 +435,27 @@ def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
         for amx in ([None] if default < 0 else [1, 1 << 30]):  # with AMX: every row count on the tiles, then none
             if amx is not None:
                 q4.amx_rows(amx)
-            _q4_kernel_checks()
+            _q4_kernel_checks(avx2)
         q4.avx2_path(True)  # the AVX2 path (a CPU without AVX512-BF16 takes it), here as well
-        _q4_kernel_checks()
+        _q4_kernel_checks(True)
     finally:
         q4.avx2_path(avx2)
         if default >= 0:
             q4.amx_rows(default)
 
 
-def _q4_kernel_checks():
+def _x_as_read(x: torch.Tensor, avx2: bool) -> torch.Tensor:
+    """x as the 4-bit kernel multiplies it (fp64): rounded to bf16, or on its AVX2 path each group of 32 inputs as
+    integers round(x / d) in [-32767, 32767] times d = the group's largest |x| / 32767, in the kernel's fp32 steps."""
+    if not avx2:
+        return x.to(torch.bfloat16).double()
+    g = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, 0.0)  # one division (32767 / t: a reciprocal first)
+    return (torch.round(g * inv).double() * (amax / 32767.0).double()).reshape(x.shape)
+
+
+def _q4_kernel_checks(avx2: bool):
     from dart_lab.fast_llama import Int4Linear
     g = torch.Generator().manual_seed(0)
     for N, K in ((48, 96), (32, 64)):
@@ -455,7 +467,7 @@ def _q4_kernel_checks():
         lin = q4.Q4Linear.of_groups((q, scale, low), bias)
         for M in (1, 2, 5, 8, 9, 16, 19, 33):
             x = torch.randn(M, K, generator=g)
-            want = (x.to(torch.bfloat16).double() @ w.double().T + bias.double()).float()
+            want = (_x_as_read(x, avx2) @ w.double().T + bias.double()).float()
             torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
             # some rows only (a batch step's real nodes): those rows' numbers exactly, the others 0
             some = torch.arange(0, M, 2)
@@ -486,7 +498,7 @@ def _q4_kernel_checks():
         head = q4.Q4Linear.of_groups(Int4Linear.halves_of(q8, d), halves=2)
         for M in (1, 9):
             x = torch.randn(M, K, generator=g)
-            torch.testing.assert_close(head(x), (x.to(torch.bfloat16).double() @ w8.double().T).float(),
+            torch.testing.assert_close(head(x), (_x_as_read(x, avx2) @ w8.double().T).float(),
                                        atol=1e-5, rtol=1e-5)
     assert q4.pack(q[:24], scale[:24], low[:24]) is None  # outputs not a multiple of 16
     assert q4.pack(q, scale + 1e-4, low) is None  # scales that are no fp16 numbers

@@ -262,51 +262,46 @@ int64_t q4mm_amx_rows(int64_t rows) {
   return previous;
 }
 
-// ---- AVX2 + FMA (CPUs without AVX512-BF16): each quad's 4-bit values widened to fp32 (exact) and multiplied by
-// x rounded to bf16 (as above, so the product is exact in fp32) with FMAs, each group's sums scaled as above:
-// the same y = bf16(x) W^T to fp32 rounding, the sums in another order. Rows go 6 at a time: each row's group
-// sums in two ymm registers (16 in all); up to 3 rows their outputs in registers too, else in memory, scaled
-// into once a group.
-constexpr int kMaxRows2 = 6;
+// ---- AVX2 (CPUs without AVX512-BF16): x's groups as 16-bit integers, multiplied by the 4-bit values with VPMADDWD
+// (16 products an instruction, summed in pairs into 32-bit integers: exact), each group's integer sums then scaled
+// in fp32: y = x' W^T to fp32 rounding, x' each group of 32 inputs of a row rounded to d * [-32767, 32767] with d =
+// the group's largest |x| / 32767 -- closer to x than its bf16 rounding for the group's larger values (an error of at
+// most d / 2, where bf16's is up to |x| / 256), and a third of the instructions a weight that widening each 4-bit
+// value to fp32 for an FMA takes (one-row steps there are bound by those, not by the memory). The weights' layout is
+// the AVX-512 path's: a quad's byte j holds output j / 2's inputs 4t + j % 2 (low nibble) and 4t + 2 + j % 2 (high),
+// so widened to 16 bits each 32-bit lane holds one output's input pair, as VPMADDWD pairs them. Rows go 4 at a time
+// (each row's two 8-output integer sums in registers), every pass over a block while it is in cache; up to 2 rows
+// their outputs in registers too, else in memory, scaled into once a group.
+constexpr int kMaxRows2 = 4;
 
 template <int M>
 __attribute__((target("avx2,fma,f16c")))
-void q4_block_avx2(const float* xf, const float* xs, const uint8_t* wp, const uint16_t* sl, float* y,
-                   int64_t K, int64_t N, int64_t b) {
-  const int64_t G = K / 32, Q = K / 4;
-  const __m256i nib = _mm256_set1_epi8(0x0f);
-  // within each 128-bit lane: the even bytes (one input for 8 outputs), then the odd ones (the next input)
-  const __m256i deal = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  constexpr bool held = M <= 3;  // outputs in registers (reg), else in memory (out)
+void q4_block_avx2(const uint32_t* xq, const float* xd, const float* xn, const uint8_t* wp, const uint16_t* sl,
+                   float* y, int64_t K, int64_t N, int64_t b) {
+  const int64_t G = K / 32, Q = K / 4, P = K / 2;
+  const __m256i nib = _mm256_set1_epi16(0x0f);
+  constexpr bool held = M <= 2;  // outputs in registers (reg), else in memory (out)
   alignas(32) float out[M][16] = {};
   __m256 reg[M][2];
   for (int r = 0; r < M; ++r) reg[r][0] = reg[r][1] = _mm256_setzero_ps();
   const uint8_t* wb = wp + b * Q * 32;
   for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[M][2];
-    for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256i acc[M][2];
+    for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int t = 0; t < 8; ++t) {
       const int64_t quad = g * 8 + t;
       _mm_prefetch((const char*)(wb + (quad + 32) * 32), _MM_HINT_T0);
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + quad * 32));
-      const __m256i lo = _mm256_shuffle_epi8(_mm256_and_si256(v, nib), deal);  // inputs 4t, 4t + 1
-      const __m256i hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), deal);  // 4t + 2, 4t + 3
-      for (int u = 0; u < 4; ++u) {
-        const __m256i src = u < 2 ? lo : hi;
-        __m128i a = _mm256_castsi256_si128(src), c = _mm256_extracti128_si256(src, 1);  // outputs 0-7, 8-15
-        if (u & 1) {
-          a = _mm_srli_si128(a, 8);
-          c = _mm_srli_si128(c, 8);
-        }
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a)), w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
-        for (int r = 0; r < M; ++r) {
-          const __m256 xv = _mm256_broadcast_ss(xf + r * K + g * 32 + 4 * t + u);
-          acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
-        }
+      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wb + quad * 32)));       // outputs 0-7
+      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wb + quad * 32 + 16)));  // 8-15
+      const __m256i lo0 = _mm256_and_si256(w0, nib), hi0 = _mm256_srli_epi16(w0, 4);  // inputs 4t, 4t + 1 / + 2, + 3
+      const __m256i lo1 = _mm256_and_si256(w1, nib), hi1 = _mm256_srli_epi16(w1, 4);
+      for (int r = 0; r < M; ++r) {
+        const __m256i xa = _mm256_set1_epi32((int)xq[r * P + 2 * quad]), xb = _mm256_set1_epi32((int)xq[r * P + 2 * quad + 1]);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, xa), _mm256_madd_epi16(hi0, xb)));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_add_epi32(_mm256_madd_epi16(lo1, xa), _mm256_madd_epi16(hi1, xb)));
       }
     }
+    // sum w x' = d (scale sum q n + low sum n) over the group, n = x' / d the integers
     const uint16_t* s = sl + ((b * G + g) * 2) * 16;
     const __m256 scale[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)),
                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 8)))};
@@ -315,7 +310,8 @@ void q4_block_avx2(const float* xf, const float* xs, const uint8_t* wp, const ui
     for (int r = 0; r < M; ++r)
       for (int h = 0; h < 2; ++h) {
         const __m256 o = held ? reg[r][h] : _mm256_load_ps(out[r] + 8 * h);
-        const __m256 v = _mm256_fmadd_ps(low[h], _mm256_set1_ps(xs[r * G + g]), _mm256_fmadd_ps(acc[r][h], scale[h], o));
+        const __m256 sum = _mm256_fmadd_ps(low[h], _mm256_set1_ps(xn[r * G + g]), _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), scale[h]));
+        const __m256 v = _mm256_fmadd_ps(sum, _mm256_set1_ps(xd[r * G + g]), o);
         if constexpr (held) reg[r][h] = v;
         else _mm256_store_ps(out[r] + 8 * h, v);
       }
@@ -328,37 +324,55 @@ void q4_block_avx2(const float* xf, const float* xs, const uint8_t* wp, const ui
   for (int r = 0; r < M; ++r) std::copy_n(out[r], 16, y + r * N + b * 16);
 }
 
-template <int M>
-void q4_rows_avx2(const float* xf, const float* xs, const uint8_t* wp, const uint16_t* sl, float* y, int64_t K,
-                  int64_t N) {
+using Block2Fn = void (*)(const uint32_t*, const float*, const float*, const uint8_t*, const uint16_t*, float*, int64_t,
+                          int64_t, int64_t);
+constexpr Block2Fn kBlock2[kMaxRows2] = {q4_block_avx2<1>, q4_block_avx2<2>, q4_block_avx2<3>, q4_block_avx2<4>};
+
+// all M rows: each block of 16 outputs once from memory, its passes of 4 rows back to back
+void q4_rows_avx2(const uint32_t* xq, const float* xd, const float* xn, const uint8_t* wp, const uint16_t* sl, float* y,
+                  int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) q4_block_avx2<M>(xf, xs, wp, sl, y, K, N, b);
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < M; r += kMaxRows2)
+        kBlock2[std::min<int64_t>(kMaxRows2, M - r) - 1](xq + r * (K / 2), xd + r * (K / 32), xn + r * (K / 32), wp, sl,
+                                                         y + r * N, K, N, b);
   });
 }
 
-using Rows2Fn = void (*)(const float*, const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t);
-constexpr Rows2Fn kRows2[kMaxRows2] = {q4_rows_avx2<1>, q4_rows_avx2<2>, q4_rows_avx2<3>,
-                                      q4_rows_avx2<4>, q4_rows_avx2<5>, q4_rows_avx2<6>};
-
-// x's rows (all M, or rows ri[0..M)) fp32 -> their bf16 rounding as fp32 numbers (M, K; round to nearest even,
-// as VCVTNEPS2BF16) and each group's sum of the rounded values (M, K/32)
+// x's rows (all M, or rows ri[0..M)) fp32 -> per group of 32: the integers n = round(x / d) in [-32767, 32767] as
+// int16 pairs (M, K/2), d = the group's largest |x| / 32767 (0 for a group of zeros) (M, K/32) and the sum of the n
+// (M, K/32)
 __attribute__((target("avx2,fma")))
-void round_rows_avx2(const float* x, const int64_t* ri, int64_t M, int64_t K, float* xf, float* xs) {
-  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), top = _mm256_set1_epi32((int)0xffff0000u);
+void int16_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_t* xq, float* xd, float* xn) {
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t r = 0; r < M; ++r) {
     const float* src = x + (ri ? ri[r] : r) * K;
     for (int64_t g = 0; g < K / 32; ++g) {
-      __m256 sum = _mm256_setzero_ps();
-      for (int j = 0; j < 32; j += 8) {
-        const __m256i v = _mm256_castps_si256(_mm256_loadu_ps(src + g * 32 + j));
-        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(v, 16), one);
-        const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(v, _mm256_add_epi32(half, lsb)), top));
-        _mm256_storeu_ps(xf + r * K + g * 32 + j, rounded);
-        sum = _mm256_add_ps(sum, rounded);
+      __m256 v[4], m = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(src + g * 32 + 8 * j);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[j], abs));
       }
       alignas(32) float part[8];
-      _mm256_store_ps(part, sum);
-      xs[r * (K / 32) + g] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      _mm256_store_ps(part, m);
+      const float amax = *std::max_element(part, part + 8);
+      const __m256 inv = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
+      __m256i n[4], total = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // to nearest, ties to even
+        total = _mm256_add_epi32(total, n[j]);
+      }
+      // 16-bit pairs in input order: packs interleaves 128-bit lanes, the permute puts them back
+      const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[0], n[1]), 0xd8);
+      const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2], n[3]), 0xd8);
+      _mm256_storeu_si256((__m256i*)(xq + r * (K / 2) + g * 16), lo);
+      _mm256_storeu_si256((__m256i*)(xq + r * (K / 2) + g * 16 + 8), hi);
+      alignas(32) int32_t tp[8];
+      _mm256_store_si256((__m256i*)tp, total);
+      int32_t t = 0;
+      for (int j = 0; j < 8; ++j) t += tp[j];
+      xd[r * (K / 32) + g] = amax / 32767.0f;
+      xn[r * (K / 32) + g] = (float)t;
     }
   }
 }
@@ -466,15 +480,14 @@ at::Tensor q4mm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sl,
   std::unique_ptr<float[]> yc(some ? new float[Mc * n] : nullptr);
   float* yp = some ? yc.get() : y.data_ptr<float>();
   std::vector<float> xs(Mc * K / 32);
-  if (avx2_forced || !bf16_dot_usable() || !avx512_here()) {  // x's rounding as fp32 numbers
-    std::vector<float> xf(Mc * K);
-    round_rows_avx2(xsrc, rsrc, Mc, Kx, xf.data(), xs.data());
-    spread_halves(xf.data(), Mc, Kx, halves);
+  if (avx2_forced || !bf16_dot_usable() || !avx512_here()) {  // x's groups as 16-bit integers
+    std::vector<uint32_t> xq(Mc * K / 2);
+    std::vector<float> xd(Mc * K / 32);
+    int16_rows(xsrc, rsrc, Mc, Kx, xq.data(), xd.data(), xs.data());
+    spread_halves(xq.data(), Mc, Kx / 2, halves);
+    spread_halves(xd.data(), Mc, Kx / 32, halves);
     spread_halves(xs.data(), Mc, Kx / 32, halves);
-    for (int64_t r = 0; r < Mc; r += kMaxRows2) {
-      const int64_t m = std::min<int64_t>(kMaxRows2, Mc - r);
-      kRows2[m - 1](xf.data() + r * K, xs.data() + r * (K / 32), w, s, yp + r * n, K, n);
-    }
+    q4_rows_avx2(xq.data(), xd.data(), xs.data(), w, s, yp, Mc, K, n);
   } else {
     const bool amx = amx_from_rows > 0 && Mc >= amx_from_rows && amx_usable();
     // the tiles read 16 rows at a time: rows past Mc are zeros (their sums are not kept)
