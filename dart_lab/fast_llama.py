@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from . import kernels
 from .attention import attend, available as attention_available, ours as attention_ours, prepare as prepare_attention
 from .attention import prompt_dtype as prompt_attention
-from .q4 import Q4Linear
+from .q4 import Q4Linear, Q8Linear
 from .target import Target, TargetOutput
 from .tree import Tree
 
@@ -321,6 +321,9 @@ def int4_projections(model) -> tuple[list, object, dict]:
     q4_head = None if rows8 is None else Q4Linear.of_groups(Int4Linear.halves_of(*grid8), rows8.b, halves=2)
     if q4_head is not None:  # the same halves through our kernel: a path `int4_by_rows` times
         head.paths["q4 halves"] = q4_head
+    q8_head = None if rows8 is None else Q8Linear.of_grid(*grid8, rows8.b)
+    if q8_head is not None:  # the grid itself, one product a weight (csrc/q4mm.cpp's q8mm): another path timed
+        head.paths["q8"] = q8_head
     head_kind = name if rows8 is None else f"{name} (1 row), int8 as two 4-bit halves (2+ rows)"
     read += head_w.numel() * head_w.element_size()
     # what a one-token step reads of the weights (norms and one embedding row aside)
@@ -831,8 +834,8 @@ class FastTarget(Target):
     # 1024 rows in the layers' sweep, a batch's prompts packed in one forward; 13: our kernel on CPUs with AVX2 only;
     # 14: a median out of proportion with its path's previous one timed again, each output dropped in a sweep;
     # 15: the AMX tiles' groups software-pipelined, 2-16 rows cheaper; 16: the AVX-512 path prefetches 2 KB ahead;
-    # 17: the AVX2 path multiplies x's groups as 16-bit integers)
-    int4_revision = 17
+    # 17: the AVX2 path multiplies x's groups as 16-bit integers; 18: the Q8_0 LM head one product a weight, q8mm)
+    int4_revision = 18
     # int4 steps: "measured" = each linear takes the path measured fastest for the step's rows (4 bits,
     # the dense weights, bf16 copies: `int4_by_rows`), compiled or not; "4bit" = 4 bits at every width (one
     # arithmetic for AR and trees)

@@ -23,6 +23,10 @@ def _register_fake():
     def _(x, wp, sl, n, halves=1, rows=None, norm=None, eps=0.0, residual=None):  # shapes for torch.compile
         return x.new_empty(*x.shape[:-1], n)
 
+    @torch.library.register_fake("dart_lab::q8mm")
+    def _(x, wq, sd, n):
+        return x.new_empty(*x.shape[:-1], n)
+
 
 def reason() -> str | None:
     """Why the kernel is not available here (None when it is)."""
@@ -94,6 +98,50 @@ class Q4Linear:
         fp32 = x.dtype == torch.float32
         y = torch.ops.dart_lab.q4mm.default(x if fp32 and x.is_contiguous() else x.float().contiguous(), self.wp,
                                             self.sl, self.out_features, self.halves)
+        if self.b is not None:
+            y = y.add_(self.b)
+        return y if fp32 else y.to(x.dtype)
+
+
+def pack8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An 8-bit grid (q (N, K) in -127..127, d (N, K/32, 1): w = q d, `fast_llama.int8_groups`) -> (wq, sd) in
+    `dart_lab::q8mm`'s layouts (csrc/q4mm.cpp), or None when N is not a multiple of 16, K not of 32, or d no fp16
+    numbers (a GGUF's Q8_0 blocks store them so)."""
+    N, K = q.shape
+    if N % 16 or K % 32:
+        return None
+    d16 = d.to(torch.float16)
+    if ((d16.float() - d).abs() > 1e-5 * d.abs().clamp_min(1e-30)).any():
+        return None
+    wq = q.to(torch.int8).view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).reshape(N // 16, K // 2, 32).contiguous()
+    sd = d16.reshape(N // 16, 16, K // 32).permute(0, 2, 1).contiguous()
+    return wq, sd
+
+
+class Q8Linear:
+    """y = x W^T + b through `dart_lab::q8mm` for W an 8-bit grid (the embedded target's Q8_0 LM head): each weight
+    one product at 8 bits, x's groups as 16-bit integers (what `q4mm`'s AVX2 path does; `Q4Linear` with halves=2 runs
+    the same grid as twice the 4-bit products). One more path the per-row tables time (`q8`)."""
+
+    def __init__(self, packed: tuple[torch.Tensor, torch.Tensor], out_features: int, bias: torch.Tensor | None = None):
+        self.wq, self.sd = packed
+        self.out_features, self.in_features, self.b = out_features, self.wq.shape[1] * 2, bias
+
+    @classmethod
+    def of_grid(cls, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> "Q8Linear | None":
+        if not available():
+            return None
+        packed = pack8(q, d)
+        return None if packed is None else cls(packed, q.shape[0], bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.wq.numel() + 2 * self.sd.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        fp32 = x.dtype == torch.float32
+        y = torch.ops.dart_lab.q8mm.default(x if fp32 and x.is_contiguous() else x.float().contiguous(), self.wq,
+                                            self.sd, self.out_features)
         if self.b is not None:
             y = y.add_(self.b)
         return y if fp32 else y.to(x.dtype)

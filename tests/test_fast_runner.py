@@ -426,8 +426,9 @@ def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
     rounding, for any row count, x' = bf16(x) on its AVX-512 paths (rows 8 at a time; on AMX tiles 16 at a time,
     both checked where the CPU has AMX) and x's groups of 32 as 16-bit integers times a scale on its AVX2 path (4
     rows at a time, checked on every CPU) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for some
-    rows only, those rows' numbers as computed alone and 0 for the others. `pack` refuses what the kernel cannot
-    hold."""
+    rows only, those rows' numbers as computed alone and 0 for the others. An 8-bit grid (a Q8_0 LM head) as two
+    4-bit halves, and as itself through `q8mm` (x's groups as 16-bit integers on every CPU). `pack` and `pack8`
+    refuse what the kernels cannot hold."""
     if not q4.available():
         pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
     default, avx2 = q4.amx_rows(), q4.avx2_path()
@@ -496,12 +497,19 @@ def _q4_kernel_checks(avx2: bool):
         d = (torch.rand(N, K // 32, 1, generator=g) * 1e-3 + 1e-4).half().float()
         w8 = (q8.reshape(N, K // 32, 32) * d).reshape(N, K)
         head = q4.Q4Linear.of_groups(Int4Linear.halves_of(q8, d), halves=2)
-        for M in (1, 9):
+        # and as itself (`q8mm`: one product a weight, x's groups as 16-bit integers on every CPU), bias and any
+        # leading shape and dtype as above
+        q8lin = q4.Q8Linear.of_grid(q8, d, bias)
+        for M in (1, 5, 9, 17):
             x = torch.randn(M, K, generator=g)
             torch.testing.assert_close(head(x), (_x_as_read(x, avx2) @ w8.double().T).float(),
                                        atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(q8lin(x), (_x_as_read(x, True) @ w8.double().T + bias.double()).float(),
+                                       atol=1e-5, rtol=1e-5)
+        assert q8lin(torch.randn(2, 3, K, generator=g).to(torch.bfloat16)).shape == (2, 3, N)
     assert q4.pack(q[:24], scale[:24], low[:24]) is None  # outputs not a multiple of 16
     assert q4.pack(q, scale + 1e-4, low) is None  # scales that are no fp16 numbers
+    assert q4.pack8(q8[:24], d[:24]) is None and q4.pack8(q8, d + 1e-6) is None
 
 
 def test_int4_steps_on_our_kernel_are_the_grid_with_bf16_inputs(monkeypatch, tmp_path):

@@ -377,6 +377,121 @@ void int16_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_
   }
 }
 
+// ---- dart_lab::q8mm: y = x W^T for W an 8-bit grid, w = q d per group of 32 inputs (GGUF Q8_0: the embedded
+// target's LM head), with x's groups as 16-bit integers (int16_rows) and VPMADDWD on the 8-bit values widened to 16
+// bits: exact int32 sums a group, then d and x's d in fp32. Why: through q4mm an 8-bit grid runs as two 4-bit
+// halves, twice the products; here each weight is one product, read at the same 8 bits. Layouts (q4.pack8):
+//   wq (N/16, K/2, 32) int8: block b, input pair p: byte 2 i + j = q[16 b + i, 2 p + j] (widened to 16 bits, each
+//      32-bit lane one output's input pair, as VPMADDWD pairs them)
+//   sd (N/16, K/32, 16) fp16: each block's d for each group.
+constexpr int kMaxRows8 = 8;
+
+template <int M>
+__attribute__((target("avx512f,avx512bw,f16c")))
+void q8_block512(const uint32_t* xq, const float* xd, const int8_t* wq, const uint16_t* sd, float* y, int64_t K,
+                 int64_t N, int64_t b) {
+  const int64_t G = K / 32, P = K / 2;
+  __m512 out[M];
+  for (int r = 0; r < M; ++r) out[r] = _mm512_setzero_ps();
+  const int8_t* wb = wq + b * P * 32;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 16; ++t) {
+      const int64_t p = g * 16 + t;
+      _mm_prefetch((const char*)(wb + (p + 64) * 32), _MM_HINT_T0);
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wb + p * 32)));
+      for (int r = 0; r < M; ++r)
+        acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(w, _mm512_set1_epi32((int)xq[r * P + p])));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sd + (b * G + g) * 16)));
+    for (int r = 0; r < M; ++r)
+      out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * G + g])), out[r]);
+  }
+  for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + r * N + b * 16, out[r]);
+}
+
+template <int M>
+__attribute__((target("avx2,fma,f16c")))
+void q8_block256(const uint32_t* xq, const float* xd, const int8_t* wq, const uint16_t* sd, float* y, int64_t K,
+                 int64_t N, int64_t b) {
+  const int64_t G = K / 32, P = K / 2;
+  __m256 out[M][2];
+  for (int r = 0; r < M; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+  const int8_t* wb = wq + b * P * 32;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[M][2];
+    for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int t = 0; t < 16; ++t) {
+      const int64_t p = g * 16 + t;
+      _mm_prefetch((const char*)(wb + (p + 32) * 32), _MM_HINT_T0);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wb + p * 32)));       // outputs 0-7
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wb + p * 32 + 16)));  // 8-15
+      for (int r = 0; r < M; ++r) {
+        const __m256i xa = _mm256_set1_epi32((int)xq[r * P + p]);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xa));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xa));
+      }
+    }
+    const uint16_t* s = sd + (b * G + g) * 16;
+    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)),
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + 8)))};
+    for (int r = 0; r < M; ++r)
+      for (int h = 0; h < 2; ++h)
+        out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(d[h], _mm256_set1_ps(xd[r * G + g])),
+                                    out[r][h]);
+  }
+  for (int r = 0; r < M; ++r) {
+    _mm256_storeu_ps(y + r * N + b * 16, out[r][0]);
+    _mm256_storeu_ps(y + r * N + b * 16 + 8, out[r][1]);
+  }
+}
+
+using Block8Fn = void (*)(const uint32_t*, const float*, const int8_t*, const uint16_t*, float*, int64_t, int64_t,
+                          int64_t);
+constexpr Block8Fn kBlock512[kMaxRows8] = {q8_block512<1>, q8_block512<2>, q8_block512<3>, q8_block512<4>,
+                                           q8_block512<5>, q8_block512<6>, q8_block512<7>, q8_block512<8>};
+constexpr Block8Fn kBlock256[kMaxRows8 / 2] = {q8_block256<1>, q8_block256<2>, q8_block256<3>, q8_block256<4>};
+
+bool avx512bw_here() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return avx512_here() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((b >> 30) & 1);
+  }();
+  return ok;
+}
+
+at::Tensor q8mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sd, int64_t n) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "q8mm: x must be a contiguous (..., K) float32 CPU tensor");
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
+  TORCH_CHECK(K > 0 && K % 32 == 0 && n % 16 == 0, "q8mm: K must be a positive multiple of 32 and N of 16");
+  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.numel() == n * K, "q8mm: wq is not (N/16, K/2, 32) int8");
+  TORCH_CHECK(sd.scalar_type() == at::kHalf && sd.numel() == n * K / 32, "q8mm: sd is not (N/16, K/32, 16) fp16");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  auto y = at::empty(shape, x.options());
+  if (M == 0) return y;
+  std::vector<uint32_t> xq(M * K / 2);
+  std::vector<float> xd(M * K / 32), xn(M * K / 32);
+  int16_rows(x.data_ptr<float>(), nullptr, M, K, xq.data(), xd.data(), xn.data());
+  const int8_t* w = wq.data_ptr<int8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(sd.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const bool wide = avx512bw_here();
+  const int64_t step = wide ? kMaxRows8 : kMaxRows8 / 2;
+  // each block of 16 outputs once from memory, its passes of rows back to back
+  at::parallel_for(0, n / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < M; r += step) {
+        const int64_t m = std::min<int64_t>(step, M - r);
+        (wide ? kBlock512 : kBlock256)[m - 1](xq.data() + r * (K / 2), xd.data() + r * (K / 32), w, s, yp + r * n, K,
+                                              n, b);
+      }
+  });
+  return y;
+}
+
 // whether the CPU multiplies bf16 pairs (AVX512-BF16: VDPBF16PS); else the AVX2 path
 bool bf16_dot_usable() {
   static const bool ok = [] {
@@ -522,8 +637,10 @@ TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
         "float eps=0.0, Tensor? residual=None) -> Tensor");
   m.def("q4mm_amx_rows(int rows) -> int", &q4mm_amx_rows);
   m.def("q4mm_avx2(int on) -> int", &q4mm_avx2);
+  m.def("q8mm(Tensor x, Tensor wq, Tensor sd, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
   m.impl("q4mm", &q4mm);
+  m.impl("q8mm", &q8mm);
 }

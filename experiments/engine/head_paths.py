@@ -1,8 +1,9 @@
 """The LM head's paths per row count on this CPU: which one the 4-bit target should take where
 (`fast_llama.int4_projections`: 16-bit for one row, the 8-bit grid as two 4-bit halves for 2+ rows).
 
-Times one call of the embedded target's head (49152 x 576) in fp32, bf16, fp16 and as two 4-bit halves
-(`Int4Linear.of_8bit`), for 1..32 rows, the variants interleaved call by call (median of `--calls`), and
+Times one call of the embedded target's head (49152 x 576) in fp32, bf16, fp16, as two 4-bit halves
+(`Int4Linear.of_8bit`: torch's int4 kernel; `q4 halves`: ours) and as the 8-bit grid itself (`q8`: our
+`q8mm`), for 1..32 rows, the variants interleaved call by call (median of `--calls`), and
 each one's largest logit error against fp32 on the same inputs.
 
     .venv/bin/python experiments/engine/head_paths.py [--rows 1,2,4,8,16,32] [--calls 40]
@@ -15,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dart_lab import load_target
+from dart_lab import load_target, q4
 from dart_lab.fast_llama import Int4Linear, int8_groups
 
 
@@ -36,6 +37,10 @@ def main():
     if grid is not None:
         halves = Int4Linear.of_8bit(head, groups=grid)
         variants["int8 halves"] = lambda x: halves(x).float()
+        ours = q4.Q4Linear.of_groups(Int4Linear.halves_of(*grid), halves=2)
+        q8 = q4.Q8Linear.of_grid(*grid)
+        if ours is not None and q8 is not None:
+            variants["q4 halves"], variants["q8"] = ours, q8
     out = {}
     with torch.no_grad():
         for n in map(int, args.rows.split(",")):
