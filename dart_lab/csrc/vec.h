@@ -2,8 +2,9 @@
 // (one __m512) and namespace `avx2` (two __m256: CPUs with AVX2 + FMA + F16C and no AVX-512, most laptops'). A
 // kernel's arithmetic lives in a body header included once inside each namespace, between `#pragma GCC target`
 // lines (DART_LAB_ISA_BEGIN / END below), and its op picks the build at run time (`avx512_here`). Lane i of a
-// vector holds element i of 16 either way, so a body's per-lane sums are the same numbers in both builds; only
-// what the ISA itself defines differs (the Sleef exp a silu calls: torch's own for that ISA).
+// vector holds element i of 16 either way, so per-lane arithmetic gives the same numbers in both builds, and
+// `reduce_add` pairs lanes alike; `sum4` (attention's dot products) adds them in another order on AVX2, and the
+// Sleef exp a silu calls is torch's own for each ISA.
 //
 // DART_LAB_ISA=avx2 in the environment runs the AVX2 builds on a CPU that has AVX-512 (tests, A/B timings;
 // dart_lab/kernels.py reads the same variable).
