@@ -93,14 +93,18 @@ class Q4Linear:
         return self.wp.numel() + 2 * self.sl.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # a one-token step makes 120 of these calls: only the ops needed (the op takes x's leading shape as it
-        # is, a cast or a copy only where x's dtype or layout asks for it, the op's overload called directly)
-        fp32 = x.dtype == torch.float32
-        y = torch.ops.dart_lab.q4mm.default(x if fp32 and x.is_contiguous() else x.float().contiguous(), self.wp,
-                                            self.sl, self.out_features, self.halves)
-        if self.b is not None:
-            y = y.add_(self.b)
-        return y if fp32 else y.to(x.dtype)
+        return _through(torch.ops.dart_lab.q4mm.default, x, self.b, self.wp, self.sl, self.out_features, self.halves)
+
+
+def _through(op, x: torch.Tensor, bias: torch.Tensor | None, *weights) -> torch.Tensor:
+    """op(x, *weights) + bias, x and y in x's dtype (the op computes from fp32 x). A one-token step makes 120 such
+    calls: only the ops needed (the op takes x's leading shape as it is, a cast or a copy only where x's dtype or
+    layout asks for it, the op's overload called directly)."""
+    fp32 = x.dtype == torch.float32
+    y = op(x if fp32 and x.is_contiguous() else x.float().contiguous(), *weights)
+    if bias is not None:
+        y = y.add_(bias)
+    return y if fp32 else y.to(x.dtype)
 
 
 def pack8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -139,12 +143,7 @@ class Q8Linear:
         return self.wq.numel() + 2 * self.sd.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        fp32 = x.dtype == torch.float32
-        y = torch.ops.dart_lab.q8mm.default(x if fp32 and x.is_contiguous() else x.float().contiguous(), self.wq,
-                                            self.sd, self.out_features)
-        if self.b is not None:
-            y = y.add_(self.b)
-        return y if fp32 else y.to(x.dtype)
+        return _through(torch.ops.dart_lab.q8mm.default, x, self.b, self.wq, self.sd, self.out_features)
 
 
 def q8_linear(*mods: torch.nn.Linear) -> "Q4Linear | None":

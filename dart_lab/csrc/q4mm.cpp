@@ -340,8 +340,8 @@ void q4_rows_avx2(const uint32_t* xq, const float* xd, const float* xn, const ui
 }
 
 // x's rows (all M, or rows ri[0..M)) fp32 -> per group of 32: the integers n = round(x / d) in [-32767, 32767] as
-// int16 pairs (M, K/2), d = the group's largest |x| / 32767 (0 for a group of zeros) (M, K/32) and the sum of the n
-// (M, K/32)
+// int16 pairs (M, K/2), d = the group's largest |x| / 32767 (0 for a group of zeros) (M, K/32) and, where xn is
+// given, the sum of the n (M, K/32: what a 4-bit group's low value multiplies; an 8-bit grid has none)
 __attribute__((target("avx2,fma")))
 void int16_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_t* xq, float* xd, float* xn) {
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -357,22 +357,21 @@ void int16_rows(const float* x, const int64_t* ri, int64_t M, int64_t K, uint32_
       _mm256_store_ps(part, m);
       const float amax = *std::max_element(part, part + 8);
       const __m256 inv = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
-      __m256i n[4], total = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // to nearest, ties to even
-        total = _mm256_add_epi32(total, n[j]);
-      }
+      __m256i n[4];
+      for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // to nearest, ties to even
       // 16-bit pairs in input order: packs interleaves 128-bit lanes, the permute puts them back
       const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[0], n[1]), 0xd8);
       const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2], n[3]), 0xd8);
       _mm256_storeu_si256((__m256i*)(xq + r * (K / 2) + g * 16), lo);
       _mm256_storeu_si256((__m256i*)(xq + r * (K / 2) + g * 16 + 8), hi);
-      alignas(32) int32_t tp[8];
-      _mm256_store_si256((__m256i*)tp, total);
-      int32_t t = 0;
-      for (int j = 0; j < 8; ++j) t += tp[j];
       xd[r * (K / 32) + g] = amax / 32767.0f;
-      xn[r * (K / 32) + g] = (float)t;
+      if (xn) {
+        alignas(32) int32_t tp[8];
+        _mm256_store_si256((__m256i*)tp, _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])));
+        int32_t t = 0;
+        for (int j = 0; j < 8; ++j) t += tp[j];
+        xn[r * (K / 32) + g] = (float)t;
+      }
     }
   }
 }
@@ -473,8 +472,8 @@ at::Tensor q8mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sd,
   auto y = at::empty(shape, x.options());
   if (M == 0) return y;
   std::vector<uint32_t> xq(M * K / 2);
-  std::vector<float> xd(M * K / 32), xn(M * K / 32);
-  int16_rows(x.data_ptr<float>(), nullptr, M, K, xq.data(), xd.data(), xn.data());
+  std::vector<float> xd(M * K / 32);
+  int16_rows(x.data_ptr<float>(), nullptr, M, K, xq.data(), xd.data(), nullptr);
   const int8_t* w = wq.data_ptr<int8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sd.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
