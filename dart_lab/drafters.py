@@ -39,7 +39,7 @@ class _Q8Forward:
 
 
 def linears_in_8bit(head) -> bool:
-    """Every linear of a draft head through an 8-bit grid of its weights on our 4-bit kernel (`q4.q8_linear`; q|k|v
+    """Every linear of a draft head through an 8-bit grid of its weights on our kernels (`q4.q8_linear`; q|k|v
     and gate|up fused): a draft forward reads ~1 byte a weight instead of bf16's 2. The head's own weights stay
     as they are. False, and the head unchanged, where the kernel is absent or a shape does not fit."""
     from .q4 import q8_linear

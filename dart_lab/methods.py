@@ -114,7 +114,7 @@ def fastest_head_dtype(target, head, min_gain: float = 1.1, repeats: int = 7):
     """The DART head in the arithmetic its draft forward runs fastest in here. A draft step's head forward is a
     small-M matmul chain whose weights (the 8k-row LM head most) stream from memory every step, so fewer bytes a
     weight pay: on a CPU that packs bf16 (oneDNN: AVX-512 or AMX) an fp32 head is timed as it drafts
-    (`budget.head_forward_ms`) in fp32, in bf16 and, where our 4-bit kernel builds, with its linears on an 8-bit
+    (`budget.head_forward_ms`) in fp32, in bf16 and, where our kernels build, with its linears on an 8-bit
     grid of the weights (`drafters.linears_in_8bit`), interleaved; the fastest is kept when it is `min_gain` x
     faster than fp32. What the head drafts moves only speed: the target verifies every token (lossless either
     way). Elsewhere, or slower: the head unchanged, its weights exact. `head.chosen_dtype` records the choice and
@@ -148,7 +148,7 @@ def fastest_head_dtype(target, head, min_gain: float = 1.1, repeats: int = 7):
     keep = fastest if best["float32"] >= min_gain * best[fastest] else "float32"
     use(keep)
     head.chosen_dtype = {"dtype": {"float32": "torch.float32", "bfloat16": "torch.bfloat16",
-                                   "q8": "q8 (8-bit grid of the weights, our 4-bit kernel)"}[keep],
+                                   "q8": "q8 (8-bit grid of the weights, our 8-bit kernel)"}[keep],
                          "draft_forward_ms": {n: round(v, 3) for n, v in best.items()}}
     return head
 

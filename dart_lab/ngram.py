@@ -85,6 +85,21 @@ class NGram:
             self._uni_cache = d
         return self._uni_cache
 
+    def tables(self) -> tuple:
+        """The tables as `dart_lab::beam_candidates` reads them (csrc/search.cpp): dense unigram counts, the
+        bigram and trigram keys and counts (uint32 counts as int32 of the same bits), V; torch views of the
+        arrays, no copies."""
+        if getattr(self, "_tables", None) is None:
+            import torch
+
+            def counts(c):
+                return torch.from_numpy(np.ascontiguousarray(c, dtype=np.uint32).view(np.int32))
+
+            self._tables = (torch.from_numpy(self._uni_dense), torch.from_numpy(np.ascontiguousarray(self.bi_keys, np.int64)),
+                            counts(self.bi_counts), torch.from_numpy(np.ascontiguousarray(self.tri_keys, np.int64)),
+                            counts(self.tri_counts), self.V)
+        return self._tables
+
     def prob(self, ctx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """ctx (B, 2) int64 last two tokens (-1 where absent, e.g. at the start); tokens (B, K).
         Returns p(tokens | ctx) (B, K) float64 with per-token back-off (module docstring).

@@ -146,12 +146,13 @@ class Q8Linear:
         return _through(torch.ops.dart_lab.q8mm.default, x, self.b, self.wq, self.sd, self.out_features)
 
 
-def q8_linear(*mods: torch.nn.Linear) -> "Q4Linear | None":
+def q8_linear(*mods: torch.nn.Linear) -> "Q8Linear | Q4Linear | None":
     """nn.Linears reading the same input, side by side along their outputs, rounded to an 8-bit grid per group of 32
-    inputs (GGUF Q8_0's rule: the group's scale = its largest |w| / 127, here held in fp16) and run on this kernel
-    as two 4-bit halves (`fast_llama.Int4Linear.halves_of`): 8 bits a weight read instead of bf16's 16. Another
-    arithmetic, for a draft head (what it drafts moves speed only: the target verifies every token). None where
-    the kernel is absent or a shape does not fit it (outputs a multiple of 16, inputs of 32)."""
+    inputs (GGUF Q8_0's rule: the group's scale = its largest |w| / 127, here held in fp16) and run as that grid
+    (`Q8Linear`: one product a weight, x's groups as 16-bit integers; where `pack8` cannot take it, two 4-bit halves
+    on `q4mm`, twice the products): 8 bits a weight read instead of bf16's 16. Another arithmetic, for a draft head
+    (what it drafts moves speed only: the target verifies every token). None where the kernel is absent or a shape
+    does not fit it (outputs a multiple of 16, inputs of 32)."""
     from .fast_llama import Int4Linear
 
     w = torch.cat([m.weight.detach().float() for m in mods])
@@ -162,4 +163,4 @@ def q8_linear(*mods: torch.nn.Linear) -> "Q4Linear | None":
     d = (g.abs().amax(-1, keepdim=True) / 127).clamp_min(2.0 ** -24).to(torch.float16).float()
     q = (g / d).round().clamp(-127, 127).reshape(N, K).to(torch.int32)
     bias = None if mods[0].bias is None else torch.cat([m.bias.detach().float() for m in mods])
-    return Q4Linear.of_groups(Int4Linear.halves_of(q, d), bias, halves=2)
+    return Q8Linear.of_grid(q, d, bias) or Q4Linear.of_groups(Int4Linear.halves_of(q, d), bias, halves=2)

@@ -70,6 +70,13 @@ def topk_levels(logits: torch.Tensor, k: int, draft_to_target: torch.Tensor | No
     return np.log(p + np.float32(eps)), idx.cpu().numpy().astype(np.int64)
 
 
+def log32(x: np.ndarray) -> np.ndarray:
+    """float32 x -> log(x) as float32, rounded once from the float64 log: numpy's own float32 log and C's logf
+    each differ from that in the last bit for some inputs (17 % and 0.5 % of them here), the float64 logs of
+    numpy and C round to the same float32 (csrc/search.cpp computes the search's n-gram term so)."""
+    return np.log(x.astype(np.float64)).astype(np.float32)
+
+
 def tree_search(logp: np.ndarray, tokens: np.ndarray, context: list[int], ngram, cfg: TreeSearchConfig,
                 eos_ids=frozenset()) -> Tree:
     """logp, tokens: (D, k) per-level log(p + eps) and target ids (see `topk_levels`).
@@ -137,22 +144,22 @@ def _scoring(cfg: TreeSearchConfig, logp, ngram, eos_ids) -> tuple:
             ngram is not None and cfg.w_ngram != 0.0, f32(cfg.w_ngram), f32(cfg.eps))
 
 
-def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=(), prune=True):
-    D, beam_width = _depth_and_beam(cfg, logp.shape[0], prune)
-    # Exact for a tree of N = max_nodes < beam_width nodes: a beam of N gives the same tree. A kept node
-    # with a kept child outranks that child, so fewer than N candidates of its level rank above it:
-    # it is within the first N of its level's beam. A node ranked N or lower in its level's beam is
-    # outranked by N kept nodes, and so is everything under it. (The paper's 60 nodes: beam 20, as
-    # released.) Small CPU trees search 2.5x fewer n-gram lookups; `prune=False` is the reference.
-    # With extra paths (which only raise scores or add nodes) the same holds, except that an exact
-    # float tie between a path node and a head candidate may break the other way.
+def _levels(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, D: int, beam_width: int,
+            compiled: bool | None = None) -> tuple:
+    """The search's level loop (`_search`): every candidate's (parent, score, level, top-k rank, n-gram p) as
+    arrays, per level the beam's K expansions in beam order (candidate j of a level block = beam path j // K
+    extended by top-k token j % K; parent = index into the list, -1 = root). Through `dart_lab::beam_candidates`
+    (csrc/search.cpp, the same numbers bit for bit) where it is built and the n-gram is an `NGram` (or none);
+    compiled=False: this numpy loop, the reference."""
+    if compiled is None:
+        compiled = _compiled_ok(ngram)
+    if compiled:
+        return _levels_compiled(logp, tokens, context, ngram, cfg, eos_ids, D, beam_width)
     K = tokens.shape[1]
     f32 = np.float32
     logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
     last2 = np.array([context[-2] if len(context) >= 2 else -1, context[-1]], dtype=np.int64)
 
-    # the global candidate list, one block of B*K per level (candidate j of a level block = beam
-    # path j // K extended by top-k token j % K); parent = index into the list, -1 = root
     c_par, c_score, c_ng, sizes = [], [], [], []
     eos_tok = np.isin(tokens[:D], eos) if eos.size else np.zeros((D, K), bool)  # (D, K)
     n_cand = 0
@@ -168,7 +175,7 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
         inc = logp[lvl] * w_logit  # (K,), broadcast over the beam below
         if use_ng and (lvl > 0 or cfg.ngram_at_level0):
             p_ng = ngram.prob(beam_ctx, np.broadcast_to(tok_l, (B, K))).astype(f32)
-            inc = inc + np.log(p_ng + eps) * w_ng  # (B, K)
+            inc = inc + log32(p_ng + eps) * w_ng  # (B, K)
         else:
             p_ng = np.full((B, K), np.nan, f32)
         score = (beam_score[:, None] + w_level * inc).ravel()  # (B*K,) float32
@@ -186,10 +193,52 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
         n_cand += B * K
 
     cat = np.concatenate
-    score = cat(c_score)
+    score = cat(c_score) if c_score else np.zeros(0, f32)
     lvl = np.repeat(np.arange(len(sizes)), sizes)
     col = (np.arange(score.size) - np.repeat(np.cumsum([0] + sizes[:-1]), sizes)) % K  # top-k rank of each
-    cand_tok, cand_par = tokens[lvl, col], cat(c_par)
+    return (cat(c_par) if c_par else np.zeros(0, np.int64)), score, lvl, col, (cat(c_ng) if c_ng else score)
+
+
+def _compiled_ok(ngram) -> bool:
+    from . import kernels
+    from .ngram import NGram
+
+    return (ngram is None or type(ngram) is NGram) and kernels.search_here()
+
+
+def _levels_compiled(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, D: int, beam_width: int) -> tuple:
+    f32 = np.float32
+    logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
+    K = tokens.shape[1]
+    eos_tok = np.isin(tokens[:D], eos) if eos.size else np.zeros((D, K), bool)
+    lv = np.arange(D)
+    w_level = np.array([f32((l + 1) ** -cfg.level_exponent) for l in lv], f32)
+    w_logit = np.array([f32(cfg.logit_decay ** l) for l in lv], f32)
+    tables = ngram.tables() if use_ng else _NO_TABLES
+    out = torch.ops.dart_lab.beam_candidates(
+        torch.from_numpy(np.ascontiguousarray(logp[:D])), torch.from_numpy(np.ascontiguousarray(tokens[:D], np.int64)),
+        torch.from_numpy(np.ascontiguousarray(eos_tok)), int(context[-2]) if len(context) >= 2 else -1,
+        int(context[-1]), torch.from_numpy(w_level), torch.from_numpy(w_logit), beam_width, use_ng,
+        cfg.ngram_at_level0, float(w_ng), float(eps), *tables)
+    return tuple(t.numpy() for t in out)
+
+
+_NO_TABLES = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32),
+              torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32), 0)
+
+
+def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=(), prune=True):
+    D, beam_width = _depth_and_beam(cfg, logp.shape[0], prune)
+    # Exact for a tree of N = max_nodes < beam_width nodes: a beam of N gives the same tree. A kept node
+    # with a kept child outranks that child, so fewer than N candidates of its level rank above it:
+    # it is within the first N of its level's beam. A node ranked N or lower in its level's beam is
+    # outranked by N kept nodes, and so is everything under it. (The paper's 60 nodes: beam 20, as
+    # released.) Small CPU trees search 2.5x fewer n-gram lookups; `prune=False` is the reference.
+    # With extra paths (which only raise scores or add nodes) the same holds, except that an exact
+    # float tie between a path node and a head candidate may break the other way.
+    logp = np.asarray(logp, dtype=np.float32)
+    par, score, lvl, col, ng = _levels(logp, tokens, context, ngram, cfg, eos_ids, D, beam_width)
+    cand_tok, cand_par = tokens[lvl, col], par
     if extra_paths:
         cand_tok, cand_par, score, lvl_all = _merge_paths(cand_tok, cand_par, score, lvl, extra_paths)
         tree, _ = best_closed_tree(context[-1], cand_tok, cand_par, score, lvl_all, cfg.max_nodes)
@@ -197,7 +246,8 @@ def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes:
     tree, chosen = best_closed_tree(context[-1], cand_tok, cand_par, score, lvl, cfg.max_nodes)
     if not nodes:
         return tree
-    return SearchNodes(tree, cat([[0.0], logp[lvl[chosen], col[chosen]]]), cat([[np.nan], cat(c_ng)[chosen]]),
+    cat = np.concatenate
+    return SearchNodes(tree, cat([[0.0], logp[lvl[chosen], col[chosen]]]), cat([[np.nan], ng[chosen]]),
                        cat([[-1], lvl[chosen]]))
 
 
@@ -208,12 +258,15 @@ def tree_search_batch(logp: np.ndarray, tokens: np.ndarray, contexts: list[list[
     `tree_search(logp[r], tokens[r], contexts[r], ...)` exactly (tests/test_search.py): the same float32
     scores in the same order, the same beam and final cuts; but each level's n-gram lookups and beam cut
     run for every row's beam together, so a step of R rows costs one pass per level, not R (the search
-    per row in Python dominated a GPU step at 64 rows: the H200 results in reproduce/results/).
+    per row in Python dominated a GPU step at 64 rows: the H200 results in reproduce/results/). Where the
+    compiled level loop is built (`_levels`), each row runs it alone instead.
 
     Beam entries of all rows sit in one array, grouped by row in beam order, so a row's block of a level
     (its beam x K candidates) is contiguous and candidate index j within it is the per-row search's j."""
     R = logp.shape[0]
     D, beam_width = _depth_and_beam(cfg, logp.shape[1])  # the pruned beam, exact as in `_search`
+    if _compiled_ok(ngram):  # each row's level loop compiled costs less than one shared numpy pass
+        return [_search(logp[r], tokens[r], contexts[r], ngram, cfg, eos_ids, nodes=False) for r in range(R)]
     K = tokens.shape[2]
     f32 = np.float32
     logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
@@ -233,7 +286,7 @@ def tree_search_batch(logp: np.ndarray, tokens: np.ndarray, contexts: list[list[
         inc = logp[b_row, lvl] * w_logit
         if use_ng and (lvl > 0 or cfg.ngram_at_level0):
             p_ng = ngram.prob(b_ctx, tok_l).astype(f32)
-            inc = inc + np.log(p_ng + eps) * w_ng
+            inc = inc + log32(p_ng + eps) * w_ng
         score = (b_score[:, None] + w_level * inc).ravel()  # (E*K,) float32
         row = np.repeat(b_row, K)
         # j: the candidate's index within its row's block (entries of a row are contiguous, in beam order)

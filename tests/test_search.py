@@ -51,7 +51,8 @@ def naive_search(logits, context, seqs, cfg, eos):
                 inc = lp * wg
                 if cfg.w_ngram and (lvl > 0 or cfg.ngram_at_level0):
                     a = full[-2] if len(full) >= 2 else None
-                    inc = inc + np.log(f32(p_ng(a, full[-1], tok)) + f32(cfg.eps)) * f32(cfg.w_ngram)
+                    # the float32 log as the float64 log rounded once (search.log32)
+                    inc = inc + f32(math.log(f32(p_ng(a, full[-1], tok)) + f32(cfg.eps))) * f32(cfg.w_ngram)
                 pool.append((sc + wl * inc, nid, tok, path))
         base = len(nodes)
         for sc, parent, tok, _ in pool:
@@ -194,7 +195,8 @@ def test_missed_beam_candidate_can_be_a_leaf():
 @settings(max_examples=30, deadline=None)
 def test_a_batch_of_rows_searches_each_row_as_alone(seed, w_ng, max_nodes):
     """`tree_search_batch` gives every row the tree `tree_search` gives it alone, node for node: rows with
-    other contexts (short ones too), many equal scores (quantised logits) and EOS candidates."""
+    other contexts (short ones too), many equal scores (quantised logits) and EOS candidates; the rows' shared
+    numpy loop against each row's search alone (compiled where built)."""
     from dart_lab.search import tree_search_batch
 
     ng, _ = make_ngram(seed % 5)
@@ -205,7 +207,35 @@ def test_a_batch_of_rows_searches_each_row_as_alone(seed, w_ng, max_nodes):
     contexts = [torch.randint(0, V, (1 + (seed + r) % 5,), generator=g).tolist() for r in range(R)]
     cfg = TreeSearchConfig(topk=25, beam_width=20, max_nodes=max_nodes, w_ngram=w_ng)
     eos = frozenset({0, 3})
-    for r, tree in enumerate(tree_search_batch(logp, toks, contexts, ng, cfg, eos)):
+    from dart_lab import kernels
+
+    with kernels.turned_off("search"):  # the rows' shared numpy loop, against each row's compiled search
+        batch = tree_search_batch(logp, toks, contexts, ng, cfg, eos)
+    for r, tree in enumerate(batch):
         alone = tree_search(logp[r], toks[r], contexts[r], ng, cfg, eos)
         assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents), r
         assert torch.equal(tree.scores, alone.scores) and torch.equal(tree.ranks, alone.ranks), r
+
+
+@given(st.integers(0, 10_000), st.sampled_from([0.0, 0.5]), st.sampled_from([1, 2, 4, 8, 20]), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_the_compiled_level_loop_equals_the_numpy_loop(seed, w_ng, beam, ng0):
+    """`dart_lab::beam_candidates` (csrc/search.cpp) returns the numpy loop's candidates bit for bit: parents,
+    float32 scores, levels, ranks and n-gram p, with n-gram hits at every order (a small vocabulary), many equal
+    scores (quantised logits), EOS candidates, short contexts, an n-gram term at level 0 or not, and no n-gram."""
+    from dart_lab import kernels
+    from dart_lab.search import _levels
+
+    assert kernels.search_here(), kernels._search.get("reason")
+    ng, _ = make_ngram(seed % 5)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 4, (7, V), generator=g).float() + torch.rand(7, V, generator=g) * (seed % 2)
+    logp, toks = topk_levels(logits, 12)
+    cfg = TreeSearchConfig(topk=12, beam_width=beam, max_nodes=60, w_ngram=w_ng, ngram_at_level0=ng0)
+    context = torch.randint(0, V, (1 + seed % 4,), generator=g).tolist()
+    for ngram in (ng, None):
+        a = _levels(logp, toks, context, ngram, cfg, frozenset({0, 3}), 7, beam, compiled=True)
+        b = _levels(logp, toks, context, ngram, cfg, frozenset({0, 3}), 7, beam, compiled=False)
+        assert a[0].size == b[0].size > 0
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind == "f")

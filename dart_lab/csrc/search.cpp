@@ -1,0 +1,177 @@
+// dart_lab::beam_candidates -- the level loop of DART's tree search (paper section 3.2, Algorithm 1; the
+// released code's C++ Searcher; dart_lab/search.py `_search` is the reference this equals, bit for bit), with the
+// 3-gram lookups of `ngram.NGram.prob`. Why: in numpy a level is ~40 small array calls and a few hundred binary
+// searches into tables of millions of keys, each its own walk from the top; a draft step of a small tree spent
+// about as long searching as the head spent drafting. Built on first use (dart_lab/kernels.py); plain C++.
+//
+// logp (D, K) float32: each level's log(p + eps) of its top-K draft tokens; tokens (D, K) int64 their target ids;
+// eos (D, K) bool: which are EOS; a, b: the context's last two tokens (-1 where absent); w_level, w_logit (D,)
+// float32 each level's weights; beam_width; ng: whether the n-gram term applies at levels > 0 (ng0: at level 0
+// too), w_ng, eps its weight and eps (float32, passed as double); the n-gram's tables (`NGram`): uni (V,) float64
+// dense unigram counts, bi_keys / tri_keys (sorted int64 keys a V + b, (a V + b) V + c) and their uint32 counts
+// (passed as int32 of the same bits), V.
+// Returns every candidate in the reference's order (per level, beam entry j's K expansions): parent (the
+// candidate index of its parent, -1 = the root), score (float32), level, column (top-K rank) and the n-gram p
+// (float32, NaN where the term does not apply).
+//
+// Arithmetic as the reference's: float32 products and sums in the same order (no fused multiply-add), the n-gram
+// p in float64 rounded to float32, its log taken in float64 and rounded to float32 (search.log32), the beam cut
+// by (non-EOS first, score desc, candidate index asc).
+#pragma GCC optimize("fp-contract=off")
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+struct Table {
+  const int64_t* keys;
+  const uint32_t* counts;
+  int64_t n;
+  // [lo, hi) of the keys in [first, last): one walk from the top per context, then short walks inside it
+  std::pair<int64_t, int64_t> range(int64_t first, int64_t last) const {
+    const int64_t lo = std::lower_bound(keys, keys + n, first) - keys;
+    return {lo, std::lower_bound(keys + lo, keys + n, last) - keys};
+  }
+  double count(std::pair<int64_t, int64_t> r, int64_t key) const {
+    const int64_t* it = std::lower_bound(keys + r.first, keys + r.second, key);
+    return (it != keys + r.second && *it == key) ? (double)counts[it - keys] : 0.0;
+  }
+};
+
+// p(t | a, b) for K tokens t of one context, as NGram.prob: the bigram estimate count(b, t) / max(count(b), 1),
+// a seen trigram's count(a, b, t) / count(a, b) instead where (a, b) and (b, t) were both seen
+void prob_row(const Table& bi, const Table& tri, const double* uni, int64_t V, int64_t a, int64_t b,
+              const int64_t* t, int64_t K, double* out) {
+  if (b < 0) {
+    std::fill(out, out + K, 0.0);
+    return;
+  }
+  const double c_b = uni[b];
+  const auto r_b = bi.range(b * V, (b + 1) * V);
+  const double c_ab = a >= 0 ? bi.count(bi.range(a * V + b, a * V + b + 1), a * V + b) : 0.0;
+  const auto r_ab = c_ab > 0 ? tri.range((a * V + b) * V, (a * V + b + 1) * V) : std::pair<int64_t, int64_t>{0, 0};
+  for (int64_t k = 0; k < K; ++k) {
+    const double c_bt = bi.count(r_b, b * V + t[k]);
+    double p = c_bt > 0 ? c_bt / std::max(c_b, 1.0) : 0.0;
+    if (c_ab > 0 && c_bt > 0) {
+      const double c_abt = tri.count(r_ab, (a * V + b) * V + t[k]);
+      if (c_abt > 0) p = c_abt / c_ab;
+    }
+    out[k] = p;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_candidates(
+    const at::Tensor& logp, const at::Tensor& tokens, const at::Tensor& eos, int64_t a, int64_t b,
+    const at::Tensor& w_level, const at::Tensor& w_logit, int64_t beam_width, bool ng, bool ng0, double w_ng,
+    double eps, const at::Tensor& uni, const at::Tensor& bi_keys, const at::Tensor& bi_counts,
+    const at::Tensor& tri_keys, const at::Tensor& tri_counts, int64_t V) {
+  TORCH_CHECK(logp.dim() == 2 && logp.scalar_type() == at::kFloat && logp.is_contiguous() &&
+              tokens.sizes() == logp.sizes() && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
+              eos.sizes() == logp.sizes() && eos.scalar_type() == at::kBool && eos.is_contiguous(),
+              "beam_candidates: logp (D, K) float32, tokens (D, K) int64 and eos (D, K) bool, contiguous");
+  const int64_t D = logp.size(0), K = logp.size(1);
+  TORCH_CHECK(w_level.numel() >= D && w_logit.numel() >= D && w_level.scalar_type() == at::kFloat &&
+              w_logit.scalar_type() == at::kFloat && w_level.is_contiguous() && w_logit.is_contiguous(),
+              "beam_candidates: w_level, w_logit (D,) float32");
+  const Table bi{bi_keys.data_ptr<int64_t>(), reinterpret_cast<const uint32_t*>(bi_counts.data_ptr<int32_t>()),
+                 bi_keys.numel()};
+  const Table tri{tri_keys.data_ptr<int64_t>(), reinterpret_cast<const uint32_t*>(tri_counts.data_ptr<int32_t>()),
+                  tri_keys.numel()};
+  TORCH_CHECK(!ng || (uni.scalar_type() == at::kDouble && uni.numel() == V && bi_counts.numel() == bi.n &&
+                      tri_counts.numel() == tri.n), "beam_candidates: the n-gram tables do not match");
+  const float* lp = logp.data_ptr<float>();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const bool* is_eos = eos.data_ptr<bool>();
+  const float *wl = w_level.data_ptr<float>(), *wg = w_logit.data_ptr<float>();
+  const double* un = ng ? uni.data_ptr<double>() : nullptr;
+  const float wn = (float)w_ng, ep = (float)eps;
+
+  std::vector<int64_t> c_par, c_lvl, c_col;
+  std::vector<float> c_score, c_ng;
+  // the current beam: candidate index, score, the last two tokens of context + path
+  std::vector<int64_t> b_idx{-1}, b_c0{a}, b_c1{b};
+  std::vector<float> b_score{0.0f};
+  std::vector<double> p(K);
+  std::vector<float> inc(K), score;
+  std::vector<int64_t> order;
+  int64_t n_cand = 0;
+  for (int64_t l = 0; l < D && !b_idx.empty(); ++l) {
+    const int64_t B = (int64_t)b_idx.size();
+    const float* lp_l = lp + l * K;
+    const int64_t* tok_l = tok + l * K;
+    const bool term = ng && (l > 0 || ng0);
+    score.resize(B * K);
+    for (int64_t e = 0; e < B; ++e) {
+      if (term) prob_row(bi, tri, un, V, b_c0[e], b_c1[e], tok_l, K, p.data());
+      for (int64_t k = 0; k < K; ++k) {
+        float x = lp_l[k] * wg[l];
+        float pk = std::numeric_limits<float>::quiet_NaN();
+        if (term) {
+          pk = (float)p[k];
+          const float lg = (float)std::log((double)(pk + ep));
+          x = x + lg * wn;
+        }
+        const float s = b_score[e] + wl[l] * x;
+        score[e * K + k] = s;
+        c_par.push_back(b_idx[e]);
+        c_score.push_back(s);
+        c_lvl.push_back(l);
+        c_col.push_back(k);
+        c_ng.push_back(pk);
+      }
+    }
+    // the next beam: non-EOS first, then score desc, then candidate index; EOS paths are never expanded
+    order.resize(B * K);
+    std::iota(order.begin(), order.end(), 0);
+    const int64_t take = std::min<int64_t>(beam_width, B * K);
+    std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int64_t i, int64_t j) {
+      const bool ei = is_eos[l * K + i % K], ej = is_eos[l * K + j % K];
+      if (ei != ej) return !ei;
+      if (score[i] != score[j]) return score[i] > score[j];
+      return i < j;
+    });
+    std::vector<int64_t> n_idx, n_c0, n_c1;
+    std::vector<float> n_score;
+    for (int64_t r = 0; r < take; ++r) {
+      const int64_t j = order[r];
+      if (is_eos[l * K + j % K]) continue;
+      n_idx.push_back(n_cand + j);
+      n_score.push_back(score[j]);
+      n_c0.push_back(b_c1[j / K]);
+      n_c1.push_back(tok_l[j % K]);
+    }
+    b_idx.swap(n_idx), b_score.swap(n_score), b_c0.swap(n_c0), b_c1.swap(n_c1);
+    n_cand += B * K;
+  }
+  const int64_t M = (int64_t)c_score.size();
+  const auto lopt = at::TensorOptions().dtype(at::kLong);
+  const auto fopt = at::TensorOptions().dtype(at::kFloat);
+  auto par = at::empty({M}, lopt), lvl = at::empty({M}, lopt), col = at::empty({M}, lopt);
+  auto sc = at::empty({M}, fopt), pn = at::empty({M}, fopt);
+  std::copy(c_par.begin(), c_par.end(), par.data_ptr<int64_t>());
+  std::copy(c_lvl.begin(), c_lvl.end(), lvl.data_ptr<int64_t>());
+  std::copy(c_col.begin(), c_col.end(), col.data_ptr<int64_t>());
+  std::copy(c_score.begin(), c_score.end(), sc.data_ptr<float>());
+  std::copy(c_ng.begin(), c_ng.end(), pn.data_ptr<float>());
+  return {par, sc, lvl, col, pn};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
+  m.def("beam_candidates(Tensor logp, Tensor tokens, Tensor eos, int a, int b, Tensor w_level, Tensor w_logit, "
+        "int beam_width, bool ng, bool ng0, float w_ng, float eps, Tensor uni, Tensor bi_keys, Tensor bi_counts, "
+        "Tensor tri_keys, Tensor tri_counts, int V) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
+  m.impl("beam_candidates", &beam_candidates);
+}
