@@ -27,6 +27,7 @@ so that order puts parents first, and the final cut also checks ancestor closure
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,20 +208,22 @@ def _compiled_ok(ngram) -> bool:
 
 
 def _levels_compiled(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, D: int, beam_width: int) -> tuple:
-    f32 = np.float32
     logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
-    K = tokens.shape[1]
-    eos_tok = np.isin(tokens[:D], eos) if eos.size else np.zeros((D, K), bool)
-    lv = np.arange(D)
-    w_level = np.array([f32((l + 1) ** -cfg.level_exponent) for l in lv], f32)
-    w_logit = np.array([f32(cfg.logit_decay ** l) for l in lv], f32)
+    w_level, w_logit = _level_weights(cfg.level_exponent, cfg.logit_decay, D)
     tables = ngram.tables() if use_ng else _NO_TABLES
     out = torch.ops.dart_lab.beam_candidates(
         torch.from_numpy(np.ascontiguousarray(logp[:D])), torch.from_numpy(np.ascontiguousarray(tokens[:D], np.int64)),
-        torch.from_numpy(np.ascontiguousarray(eos_tok)), int(context[-2]) if len(context) >= 2 else -1,
-        int(context[-1]), torch.from_numpy(w_level), torch.from_numpy(w_logit), beam_width, use_ng,
-        cfg.ngram_at_level0, float(w_ng), float(eps), *tables)
+        torch.from_numpy(eos), int(context[-2]) if len(context) >= 2 else -1, int(context[-1]), w_level, w_logit,
+        beam_width, use_ng, cfg.ngram_at_level0, float(w_ng), float(eps), *tables)
     return tuple(t.numpy() for t in out)
+
+
+@functools.lru_cache(maxsize=64)
+def _level_weights(level_exponent: float, logit_decay: float, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_level, w_logit) of levels 0..D-1 as float32 tensors, as the numpy loop rounds them."""
+    f32 = np.float32
+    return (torch.tensor([f32((lvl + 1) ** -level_exponent) for lvl in range(D)], dtype=torch.float32),
+            torch.tensor([f32(logit_decay ** lvl) for lvl in range(D)], dtype=torch.float32))
 
 
 _NO_TABLES = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32),

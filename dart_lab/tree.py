@@ -101,7 +101,7 @@ class Tree:
 
 
 def best_closed_tree(root: int, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, depths: np.ndarray,
-                     max_nodes: int) -> tuple["Tree", np.ndarray]:
+                     max_nodes: int, compiled: bool | None = None) -> tuple["Tree", np.ndarray]:
     """Keep the best `max_nodes` of M scored candidate nodes as an ancestor-closed tree.
 
     tokens, parents, scores, depths: (M,) arrays of the candidates; parents[i] indexes the same arrays
@@ -111,7 +111,21 @@ def best_closed_tree(root: int, tokens: np.ndarray, parents: np.ndarray, scores:
     EAGLE-3 builder can attach a node to a parent it did not keep). Used by the DART tree search and
     the EAGLE-3 dynamic tree.
     Returns the Tree (root first, then by depth, best first within a depth, so children lists are
-    best-first) and `chosen` (N-1,): the candidate index of tree node j+1."""
+    best-first) and `chosen` (N-1,): the candidate index of tree node j+1. Through `dart_lab::closed_tree`
+    (csrc/search.cpp, the same selection) where it is built; compiled=False: this numpy code, the reference."""
+    from . import kernels
+
+    if compiled is None:
+        compiled = kernels.search_here()
+    if compiled:
+        out = torch.ops.dart_lab.closed_tree(torch.from_numpy(np.ascontiguousarray(parents, np.int64)),
+                                             torch.from_numpy(np.ascontiguousarray(scores, np.float64)),
+                                             torch.from_numpy(np.ascontiguousarray(depths, np.int64)), int(max_nodes))
+        chosen_arr, rank, par = (t.numpy() for t in out)
+        return Tree(torch.as_tensor(np.concatenate([[root], tokens[chosen_arr]]).astype(np.int64)),
+                    torch.as_tensor(np.concatenate([[-1], par])),
+                    scores=torch.as_tensor(np.concatenate([[0.0], scores[chosen_arr].astype(np.float64)])),
+                    ranks=torch.as_tensor(np.concatenate([[-1], rank]))), chosen_arr
     M = scores.size
     if M > max_nodes > 0:  # only the candidates that can make the cut need a full sort
         kth = np.partition(-scores, max_nodes - 1)[max_nodes - 1]

@@ -5,7 +5,7 @@
 // about as long searching as the head spent drafting. Built on first use (dart_lab/kernels.py); plain C++.
 //
 // logp (D, K) float32: each level's log(p + eps) of its top-K draft tokens; tokens (D, K) int64 their target ids;
-// eos (D, K) bool: which are EOS; a, b: the context's last two tokens (-1 where absent); w_level, w_logit (D,)
+// eos (E,) int64: the EOS ids; a, b: the context's last two tokens (-1 where absent); w_level, w_logit (D,)
 // float32 each level's weights; beam_width; ng: whether the n-gram term applies at levels > 0 (ng0: at level 0
 // too), w_ng, eps its weight and eps (float32, passed as double); the n-gram's tables (`NGram`): uni (V,) float64
 // dense unigram counts, bi_keys / tri_keys (sorted int64 keys a V + b, (a V + b) V + c) and their uint32 counts
@@ -21,6 +21,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -75,8 +76,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_cand
     const at::Tensor& tri_keys, const at::Tensor& tri_counts, int64_t V) {
   TORCH_CHECK(logp.dim() == 2 && logp.scalar_type() == at::kFloat && logp.is_contiguous() &&
               tokens.sizes() == logp.sizes() && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
-              eos.sizes() == logp.sizes() && eos.scalar_type() == at::kBool && eos.is_contiguous(),
-              "beam_candidates: logp (D, K) float32, tokens (D, K) int64 and eos (D, K) bool, contiguous");
+              eos.dim() == 1 && eos.scalar_type() == at::kLong && eos.is_contiguous(),
+              "beam_candidates: logp (D, K) float32, tokens (D, K) int64 and eos (E,) int64, contiguous");
   const int64_t D = logp.size(0), K = logp.size(1);
   TORCH_CHECK(w_level.numel() >= D && w_logit.numel() >= D && w_level.scalar_type() == at::kFloat &&
               w_logit.scalar_type() == at::kFloat && w_level.is_contiguous() && w_logit.is_contiguous(),
@@ -89,10 +90,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_cand
                       tri_counts.numel() == tri.n), "beam_candidates: the n-gram tables do not match");
   const float* lp = logp.data_ptr<float>();
   const int64_t* tok = tokens.data_ptr<int64_t>();
-  const bool* is_eos = eos.data_ptr<bool>();
+  std::vector<char> is_eos(D * K);  // which candidates are EOS
+  const int64_t* ep_ids = eos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < D * K; ++i) is_eos[i] = std::find(ep_ids, ep_ids + eos.numel(), tok[i]) != ep_ids + eos.numel();
   const float *wl = w_level.data_ptr<float>(), *wg = w_logit.data_ptr<float>();
   const double* un = ng ? uni.data_ptr<double>() : nullptr;
   const float wn = (float)w_ng, ep = (float)eps;
+  if (ng)
+    for (int64_t i = 0; i < D * K; ++i)
+      TORCH_CHECK(tok[i] >= 0 && tok[i] < V, "beam_candidates: a token is outside the n-gram's vocabulary");
+  TORCH_CHECK(!ng || (a < V && b < V), "beam_candidates: a context token is outside the n-gram's vocabulary");
 
   std::vector<int64_t> c_par, c_lvl, c_col;
   std::vector<float> c_score, c_ng;
@@ -164,14 +171,85 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_cand
   return {par, sc, lvl, col, pn};
 }
 
+
+// dart_lab::closed_tree -- tree.best_closed_tree's selection (its reference, equal to it; tests/test_tree.py): the
+// best max_nodes of M scored candidates, ranked by (score desc, depth asc, index asc), each kept only once its
+// parent is (parents index the candidates, -1 = the root's child). scores (M,) float64 (a float32 search's scores
+// widened exactly), depths, parents (M,) int64. Returns the kept candidates in the tree's node order (by depth,
+// then rank), their ranks (the order they were taken in) and each one's parent as a tree node (0 = the root).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> closed_tree(const at::Tensor& parents, const at::Tensor& scores,
+                                                           const at::Tensor& depths, int64_t max_nodes) {
+  TORCH_CHECK(parents.dim() == 1 && parents.scalar_type() == at::kLong && parents.is_contiguous() &&
+              scores.sizes() == parents.sizes() && scores.scalar_type() == at::kDouble && scores.is_contiguous() &&
+              depths.sizes() == parents.sizes() && depths.scalar_type() == at::kLong && depths.is_contiguous(),
+              "closed_tree: parents, scores (float64) and depths (M,), contiguous");
+  const int64_t M = parents.numel();
+  const int64_t* par = parents.data_ptr<int64_t>();
+  const double* sc = scores.data_ptr<double>();
+  const int64_t* dep = depths.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i) TORCH_CHECK(par[i] >= -1 && par[i] < M, "closed_tree: a parent is outside");
+  const auto better = [&](int64_t i, int64_t j) {
+    if (sc[i] != sc[j]) return sc[i] > sc[j];
+    if (dep[i] != dep[j]) return dep[i] < dep[j];
+    return i < j;
+  };
+  std::vector<int64_t> pool;
+  if (M > max_nodes && max_nodes > 0) {  // only the candidates that can make the cut need a full sort
+    std::vector<double> s(sc, sc + M);
+    std::nth_element(s.begin(), s.begin() + (max_nodes - 1), s.end(), std::greater<double>());
+    const double kth = s[max_nodes - 1];
+    for (int64_t i = 0; i < M; ++i)
+      if (sc[i] >= kth) pool.push_back(i);
+  } else {
+    pool.resize(M);
+    std::iota(pool.begin(), pool.end(), 0);
+  }
+  std::vector<char> taken(M, 0);
+  std::vector<int64_t> chosen;
+  while (true) {
+    std::sort(pool.begin(), pool.end(), better);
+    for (int64_t i : pool) {
+      if ((int64_t)chosen.size() >= max_nodes) break;
+      if (!taken[i] && (par[i] < 0 || taken[par[i]])) {
+        taken[i] = 1;
+        chosen.push_back(i);
+      }
+    }
+    if ((int64_t)chosen.size() >= max_nodes || (int64_t)pool.size() == M) break;
+    pool.resize(M);  // a closure skip left room: rank every candidate (exact ties only)
+    std::iota(pool.begin(), pool.end(), 0);
+  }
+  const int64_t n = (int64_t)chosen.size();
+  std::vector<int64_t> rank_of(M, -1), by(n);
+  for (int64_t r = 0; r < n; ++r) rank_of[chosen[r]] = r;
+  std::iota(by.begin(), by.end(), 0);  // tree order: depth, then rank
+  std::sort(by.begin(), by.end(), [&](int64_t x, int64_t y) {
+    const int64_t dx = dep[chosen[x]], dy = dep[chosen[y]];
+    return dx != dy ? dx < dy : x < y;
+  });
+  const auto lopt = at::TensorOptions().dtype(at::kLong);
+  auto out = at::empty({n}, lopt), ranks = at::empty({n}, lopt), tpar = at::empty({n}, lopt);
+  int64_t *o = out.data_ptr<int64_t>(), *rk = ranks.data_ptr<int64_t>(), *tp = tpar.data_ptr<int64_t>();
+  std::vector<int64_t> pos(M, 0);  // candidate -> its tree node (1..n)
+  for (int64_t j = 0; j < n; ++j) {
+    o[j] = chosen[by[j]];
+    rk[j] = by[j];
+    pos[o[j]] = j + 1;
+  }
+  for (int64_t j = 0; j < n; ++j) tp[j] = par[o[j]] < 0 ? 0 : pos[par[o[j]]];
+  return {out, ranks, tpar};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
   m.def("beam_candidates(Tensor logp, Tensor tokens, Tensor eos, int a, int b, Tensor w_level, Tensor w_logit, "
         "int beam_width, bool ng, bool ng0, float w_ng, float eps, Tensor uni, Tensor bi_keys, Tensor bi_counts, "
         "Tensor tri_keys, Tensor tri_counts, int V) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("closed_tree(Tensor parents, Tensor scores, Tensor depths, int max_nodes) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dart_lab, CPU, m) {
   m.impl("beam_candidates", &beam_candidates);
+  m.impl("closed_tree", &closed_tree);
 }
