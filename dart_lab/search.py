@@ -24,6 +24,10 @@ beam cut and the final cut order by (score desc, depth asc, candidate index asc)
 index = beam rank of the parent x k + top-k rank of the token. Scores never increase along a path,
 so that order puts parents first, and the final cut also checks ancestor closure explicitly
 (`tree.best_closed_tree`).
+
+The level loop runs compiled where a C++ compiler is (`dart_lab::beam_candidates`, csrc/search.cpp: the same
+float32 arithmetic in the same order, each context's n-gram lookups narrowed to its own range of the keys) and as
+numpy otherwise; the numpy loop is the reference the compiled one equals bit for bit (tests/test_search.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 same HumanEval prompts at fixed budgets (greedy, 128 new tokens) with each side, alternating in one process:
 "numpy + halves" = the search's numpy loop and numpy tree cut (`kernels.turned_off("search")`) and the head's
 8-bit grid as two 4-bit halves on `q4mm`; "compiled + q8mm" = the package as it is. Median draft / search /
-verify ms per step (first step of each answer left out: it feeds the prompt to the head) and decode tok/s.
+verify ms per step (first step of each answer left out: it feeds the prompt to the head) and decode tok/s; first
+the head's forward alone on each side's linears (`budget.head_forward_ms`, 1 and 4 rows drafting together).
 
     python experiments/engine/draft_overhead_ab.py [--thetas 2,4,8] [--prompts 4] [--rounds 3]
 """
@@ -16,10 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dart_lab import kernels, q4  # noqa: E402
+from dart_lab import budget, kernels, q4  # noqa: E402
 from dart_lab.config import GenerationConfig  # noqa: E402
 from dart_lab.data import load_prompts  # noqa: E402
-from dart_lab.drafters import dense_linears, linears_in_8bit  # noqa: E402
+from dart_lab.drafters import DartDrafter, dense_linears, linears_in_8bit  # noqa: E402
 from dart_lab.fast_llama import Int4Linear  # noqa: E402
 from dart_lab.generate import generate  # noqa: E402
 from dart_lab.loading import load_target  # noqa: E402
@@ -53,11 +54,24 @@ def main(argv=None) -> int:
     cfg = GenerationConfig(max_new_tokens=128)
     sides = ("numpy + halves", "compiled + q8mm")
 
-    def run(side: str, theta: int) -> dict:
+    def use(side: str) -> None:
         dense_linears(d.head)
         q4.q8_linear = Q8MM if side == sides[1] else halves
         assert linears_in_8bit(d.head)
         q4.q8_linear = Q8MM
+
+    print("| head forward | rows | ms |\n|---|---|---|")
+    for rows in (1, 4):
+        ms = {s: [] for s in sides}
+        for r in range(2 * args.rounds - 1):
+            for s in (sides if r % 2 == 0 else sides[::-1]):
+                use(s)
+                ms[s].append(budget.head_forward_ms(lambda: DartDrafter(d.head, None), t, rows, 7))
+        for s in sides:
+            print(f"| {s} | {rows} | {statistics.median(ms[s]):.3f} |", flush=True)
+
+    def run(side: str, theta: int) -> dict:
+        use(side)
         d.set_budget(theta)
         stats = {"draft_ms": [], "search_ms": [], "verify_ms": [], "tokens": 0, "decode_s": 0.0}
         with kernels.turned_off(*(["search"] if side == sides[0] else [])):
