@@ -49,8 +49,8 @@ def isa() -> str:
 
 def build(stem: str, need: set[str]) -> str | None:
     """Load (building if needed) `csrc/<stem>.cpp`; None when its ops are usable, else why not."""
-    source, flags = CSRC / f"{stem}.cpp", cpu_flags()
-    if not flags:
+    source, flags = CSRC / f"{stem}.cpp", cpu_flags() if need else set()
+    if need and not flags:  # plain C++ (no instruction set asked for) builds on any CPU
         return "this CPU's instruction sets cannot be read (no /proc/cpuinfo)"
     missing = need - flags
     if missing:
