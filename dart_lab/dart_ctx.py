@@ -17,7 +17,7 @@ import torch
 from .budget import copy_cap, expected_copy_tokens, interpolate
 from .drafters import CopyIndex, DartDrafter, copy_match
 from .generate import Drafter
-from .ngram import LocalNGram
+from .ngram import LocalNGram, NGram
 from .search import TreeSearchConfig, topk_levels, tree_search_with_paths
 from .tree import Tree
 
@@ -88,10 +88,22 @@ class ContextConfig:
 
 
 class MixedNGram:
-    """p(t | a, b) = (1 - w) corpus(t | a, b) + w local(t | a, b); the `NGram.prob` interface."""
+    """p(t | a, b) = (1 - w) corpus(t | a, b) + w local(t | a, b); the `NGram.prob` interface. With a corpus
+    `NGram`, the compiled search reads both (`compiles`, `tables`, `local_tables`: csrc/search.cpp)."""
 
     def __init__(self, corpus, local, w: float):
         self.corpus, self.local, self.w = corpus, local, w
+
+    @property
+    def compiles(self) -> bool:
+        return (type(self.corpus) is NGram and isinstance(self.local, LocalNGram)
+                and (not self.local.seq or max(self.local.seq) < self.corpus.V))
+
+    def tables(self) -> tuple:
+        return self.corpus.tables()
+
+    def local_tables(self) -> tuple:
+        return (*self.local.tables(self.corpus.V), float(self.w))
 
     def prob(self, ctx, tokens):
         p = self.local.prob(ctx, tokens)

@@ -188,6 +188,13 @@ class LocalNGram:
         if len(ids) > len(self.seq):
             self.extend(ids[len(self.seq):])
 
+    def tables(self, vocab_size: int) -> tuple:
+        """The counts as `NGram.tables` over a vocabulary of `vocab_size` (this `prob` equals that NGram's), for the
+        compiled search; built again only when the sequence has grown."""
+        if getattr(self, "_tables", None) is None or self._tables[0] != (len(self.seq), vocab_size):
+            self._tables = ((len(self.seq), vocab_size), NGram.from_sequences([self.seq], vocab_size).tables()[:5])
+        return self._tables[1]
+
     def prob(self, ctx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """ctx (B, 2), tokens (B, K) -> p (B, K) float64, as `NGram.prob`."""
         ctx = np.asarray(ctx, dtype=np.int64).tolist()

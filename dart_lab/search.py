@@ -154,8 +154,8 @@ def _levels(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, D: int
     """The search's level loop (`_search`): every candidate's (parent, score, level, top-k rank, n-gram p) as
     arrays, per level the beam's K expansions in beam order (candidate j of a level block = beam path j // K
     extended by top-k token j % K; parent = index into the list, -1 = root). Through `dart_lab::beam_candidates`
-    (csrc/search.cpp, the same numbers bit for bit) where it is built and the n-gram is an `NGram` (or none);
-    compiled=False: this numpy loop, the reference."""
+    (csrc/search.cpp, the same numbers bit for bit) where it is built and the n-gram is an `NGram`, none, or dart-ctx's
+    mix of one with the request's own (`compiles`); compiled=False: this numpy loop, the reference."""
     if compiled is None:
         compiled = _compiled_ok(ngram)
     if compiled:
@@ -208,17 +208,18 @@ def _compiled_ok(ngram) -> bool:
     from . import kernels
     from .ngram import NGram
 
-    return (ngram is None or type(ngram) is NGram) and kernels.search_here()
+    return (ngram is None or type(ngram) is NGram or getattr(ngram, "compiles", False)) and kernels.search_here()
 
 
 def _levels_compiled(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, D: int, beam_width: int) -> tuple:
     logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
     w_level, w_logit = _level_weights(cfg.level_exponent, cfg.logit_decay, D)
     tables = ngram.tables() if use_ng else _NO_TABLES
+    local = ngram.local_tables() if use_ng and hasattr(ngram, "local_tables") else _NO_LOCAL
     out = torch.ops.dart_lab.beam_candidates(
         torch.from_numpy(np.ascontiguousarray(logp[:D])), torch.from_numpy(np.ascontiguousarray(tokens[:D], np.int64)),
         torch.from_numpy(eos), int(context[-2]) if len(context) >= 2 else -1, int(context[-1]), w_level, w_logit,
-        beam_width, use_ng, cfg.ngram_at_level0, float(w_ng), float(eps), *tables)
+        beam_width, use_ng, cfg.ngram_at_level0, float(w_ng), float(eps), *tables, *local)
     return tuple(t.numpy() for t in out)
 
 
@@ -232,6 +233,7 @@ def _level_weights(level_exponent: float, logit_decay: float, D: int) -> tuple[t
 
 _NO_TABLES = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32),
               torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32), 0)
+_NO_LOCAL = (*_NO_TABLES[:5], 0.0)  # no request-local n-gram mixed in
 
 
 def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=(), prune=True):

@@ -222,8 +222,11 @@ def test_a_batch_of_rows_searches_each_row_as_alone(seed, w_ng, max_nodes):
 def test_the_compiled_level_loop_equals_the_numpy_loop(seed, w_ng, beam, ng0):
     """`dart_lab::beam_candidates` (csrc/search.cpp) returns the numpy loop's candidates bit for bit: parents,
     float32 scores, levels, ranks and n-gram p, with n-gram hits at every order (a small vocabulary), many equal
-    scores (quantised logits), EOS candidates, short contexts, an n-gram term at level 0 or not, and no n-gram."""
+    scores (quantised logits), EOS candidates, short contexts, an n-gram term at level 0 or not, no n-gram, and
+    dart-ctx's mix of the corpus n-gram with a request's own."""
     from dart_lab import kernels
+    from dart_lab.dart_ctx import MixedNGram
+    from dart_lab.ngram import LocalNGram
     from dart_lab.search import _levels
 
     assert kernels.search_here(), kernels._search.get("reason")
@@ -233,7 +236,10 @@ def test_the_compiled_level_loop_equals_the_numpy_loop(seed, w_ng, beam, ng0):
     logp, toks = topk_levels(logits, 12)
     cfg = TreeSearchConfig(topk=12, beam_width=beam, max_nodes=60, w_ngram=w_ng, ngram_at_level0=ng0)
     context = torch.randint(0, V, (1 + seed % 4,), generator=g).tolist()
-    for ngram in (ng, None):
+    local = LocalNGram(torch.randint(0, V, (30,), generator=g).tolist() + context)  # a request's own tokens
+    mixed = MixedNGram(ng, local, 0.3)  # dart-ctx's mix of the corpus n-gram and the request's
+    assert mixed.compiles
+    for ngram in (ng, None, mixed):
         a = _levels(logp, toks, context, ngram, cfg, frozenset({0, 3}), 7, beam, compiled=True)
         b = _levels(logp, toks, context, ngram, cfg, frozenset({0, 3}), 7, beam, compiled=False)
         assert a[0].size == b[0].size > 0

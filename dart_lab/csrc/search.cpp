@@ -9,7 +9,8 @@
 // float32 each level's weights; beam_width; ng: whether the n-gram term applies at levels > 0 (ng0: at level 0
 // too), w_ng, eps its weight and eps (float32, passed as double); the n-gram's tables (`NGram`): uni (V,) float64
 // dense unigram counts, bi_keys / tri_keys (sorted int64 keys a V + b, (a V + b) V + c) and their uint32 counts
-// (passed as int32 of the same bits), V.
+// (passed as int32 of the same bits), V; for dart-ctx's mixed n-gram (w_local > 0) the request's own tables in the
+// same layout (luni, lbi_*, ltri_*) and p = (1 - w_local) corpus + w_local local, as `dart_ctx.MixedNGram.prob`.
 // Returns every candidate in the reference's order (per level, beam entry j's K expansions): parent (the
 // candidate index of its parent, -1 = the root), score (float32), level, column (top-K rank) and the n-gram p
 // (float32, NaN where the term does not apply).
@@ -73,7 +74,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_cand
     const at::Tensor& logp, const at::Tensor& tokens, const at::Tensor& eos, int64_t a, int64_t b,
     const at::Tensor& w_level, const at::Tensor& w_logit, int64_t beam_width, bool ng, bool ng0, double w_ng,
     double eps, const at::Tensor& uni, const at::Tensor& bi_keys, const at::Tensor& bi_counts,
-    const at::Tensor& tri_keys, const at::Tensor& tri_counts, int64_t V) {
+    const at::Tensor& tri_keys, const at::Tensor& tri_counts, int64_t V, const at::Tensor& luni,
+    const at::Tensor& lbi_keys, const at::Tensor& lbi_counts, const at::Tensor& ltri_keys,
+    const at::Tensor& ltri_counts, double w_local) {
   TORCH_CHECK(logp.dim() == 2 && logp.scalar_type() == at::kFloat && logp.is_contiguous() &&
               tokens.sizes() == logp.sizes() && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
               eos.dim() == 1 && eos.scalar_type() == at::kLong && eos.is_contiguous(),
@@ -88,6 +91,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_cand
                   tri_keys.numel()};
   TORCH_CHECK(!ng || (uni.scalar_type() == at::kDouble && uni.numel() == V && bi_counts.numel() == bi.n &&
                       tri_counts.numel() == tri.n), "beam_candidates: the n-gram tables do not match");
+  // dart-ctx's mixed n-gram: (1 - w) corpus + w local, the local tables over the request's own tokens (same V)
+  const bool mixed = ng && w_local > 0.0;
+  const Table lbi{mixed ? lbi_keys.data_ptr<int64_t>() : nullptr,
+                  mixed ? reinterpret_cast<const uint32_t*>(lbi_counts.data_ptr<int32_t>()) : nullptr,
+                  mixed ? lbi_keys.numel() : 0};
+  const Table ltri{mixed ? ltri_keys.data_ptr<int64_t>() : nullptr,
+                   mixed ? reinterpret_cast<const uint32_t*>(ltri_counts.data_ptr<int32_t>()) : nullptr,
+                   mixed ? ltri_keys.numel() : 0};
+  TORCH_CHECK(!mixed || (luni.scalar_type() == at::kDouble && luni.numel() == V && lbi_counts.numel() == lbi.n &&
+                         ltri_counts.numel() == ltri.n), "beam_candidates: the local n-gram's tables do not match");
+  const double* lun = mixed ? luni.data_ptr<double>() : nullptr;
+  std::vector<double> pl(mixed ? logp.size(1) : 0);
   const float* lp = logp.data_ptr<float>();
   const int64_t* tok = tokens.data_ptr<int64_t>();
   std::vector<char> is_eos(D * K);  // which candidates are EOS
@@ -117,7 +132,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> beam_cand
     const bool term = ng && (l > 0 || ng0);
     score.resize(B * K);
     for (int64_t e = 0; e < B; ++e) {
-      if (term) prob_row(bi, tri, un, V, b_c0[e], b_c1[e], tok_l, K, p.data());
+      if (term) {
+        prob_row(bi, tri, un, V, b_c0[e], b_c1[e], tok_l, K, p.data());
+        if (mixed) {  // as MixedNGram.prob: (1 - w) corpus + w local, in float64
+          prob_row(lbi, ltri, lun, V, b_c0[e], b_c1[e], tok_l, K, pl.data());
+          for (int64_t k = 0; k < K; ++k) p[k] = (1.0 - w_local) * p[k] + w_local * pl[k];
+        }
+      }
       for (int64_t k = 0; k < K; ++k) {
         float x = lp_l[k] * wg[l];
         float pk = std::numeric_limits<float>::quiet_NaN();
@@ -245,7 +266,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> closed_tree(const at::Tensor& par
 TORCH_LIBRARY_FRAGMENT(dart_lab, m) {
   m.def("beam_candidates(Tensor logp, Tensor tokens, Tensor eos, int a, int b, Tensor w_level, Tensor w_logit, "
         "int beam_width, bool ng, bool ng0, float w_ng, float eps, Tensor uni, Tensor bi_keys, Tensor bi_counts, "
-        "Tensor tri_keys, Tensor tri_counts, int V) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor tri_keys, Tensor tri_counts, int V, Tensor luni, Tensor lbi_keys, Tensor lbi_counts, Tensor ltri_keys, "
+        "Tensor ltri_counts, float w_local) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("closed_tree(Tensor parents, Tensor scores, Tensor depths, int max_nodes) -> (Tensor, Tensor, Tensor)");
 }
 
