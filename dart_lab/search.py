@@ -77,8 +77,8 @@ def topk_levels(logits: torch.Tensor, k: int, draft_to_target: torch.Tensor | No
 
 def log32(x: np.ndarray) -> np.ndarray:
     """float32 x -> log(x) as float32, rounded once from the float64 log: numpy's own float32 log and C's logf
-    each differ from that in the last bit for some inputs (17 % and 0.5 % of them here), the float64 logs of
-    numpy and C round to the same float32 (csrc/search.cpp computes the search's n-gram term so)."""
+    each differ from that in the last bit for some inputs, while numpy's and C's float64 logs round to the same
+    float32 (csrc/search.cpp computes the search's n-gram term so)."""
     return np.log(x.astype(np.float64)).astype(np.float32)
 
 
