@@ -1,8 +1,8 @@
 // dart_lab::beam_candidates -- the level loop of DART's tree search (paper section 3.2, Algorithm 1; the
-// released code's C++ Searcher; dart_lab/search.py `_search` is the reference this equals, bit for bit), with the
+// released code's C++ Searcher; dart_lab/search.py `_levels` is the reference this equals, bit for bit), with the
 // 3-gram lookups of `ngram.NGram.prob`. Why: in numpy a level is ~40 small array calls and a few hundred binary
-// searches into tables of millions of keys, each its own walk from the top; a draft step of a small tree spent
-// about as long searching as the head spent drafting. Built on first use (dart_lab/kernels.py); plain C++.
+// searches into tables of millions of keys, each its own walk from the top, so a small tree's search costs about
+// as much as the head's forward that drafts it. Built on first use (dart_lab/kernels.py); plain C++.
 //
 // logp (D, K) float32: each level's log(p + eps) of its top-K draft tokens; tokens (D, K) int64 their target ids;
 // eos (E,) int64: the EOS ids; a, b: the context's last two tokens (-1 where absent); w_level, w_logit (D,)
