@@ -96,8 +96,7 @@ class MixedNGram:
 
     @property
     def compiles(self) -> bool:
-        return (type(self.corpus) is NGram and isinstance(self.local, LocalNGram)
-                and (not self.local.seq or max(self.local.seq) < self.corpus.V))
+        return type(self.corpus) is NGram and isinstance(self.local, LocalNGram) and self.local.max_id < self.corpus.V
 
     def tables(self) -> tuple:
         return self.corpus.tables()

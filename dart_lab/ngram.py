@@ -168,6 +168,7 @@ class LocalNGram:
         self.uni: dict[int, int] = {}  # count(b)
         self.next1: dict[int, dict[int, int]] = {}  # b -> {t: count(b, t)}
         self.next2: dict[tuple[int, int], dict[int, int]] = {}  # (a, b) -> {t: count(a, b, t)}
+        self.max_id = -1  # the largest token counted (which vocabularies the counts fit: `tables`)
         self.extend(seq)
 
     def extend(self, tokens) -> None:
@@ -175,6 +176,7 @@ class LocalNGram:
         s, uni, n1, n2 = self.seq, self.uni, self.next1, self.next2
         for t in map(int, tokens):
             uni[t] = uni.get(t, 0) + 1
+            self.max_id = max(self.max_id, t)
             if s:
                 d = n1.setdefault(s[-1], {})
                 d[t] = d.get(t, 0) + 1

@@ -31,12 +31,8 @@ Q8MM = q4.q8_linear
 
 def halves(*mods):
     """The same 8-bit grid as `q4.q8_linear` rounds, run as two 4-bit halves on q4mm."""
-    w = torch.cat([m.weight.detach().float() for m in mods])
-    N, K = w.shape
-    g = w.reshape(N, K // 32, 32)
-    d = (g.abs().amax(-1, keepdim=True) / 127).clamp_min(2.0 ** -24).to(torch.float16).float()
-    q = (g / d).round().clamp(-127, 127).reshape(N, K).to(torch.int32)
-    return q4.Q4Linear.of_groups(Int4Linear.halves_of(q, d), None, halves=2)
+    q, d, bias = q4.int8_grid(*mods)
+    return q4.Q4Linear.of_groups(Int4Linear.halves_of(q, d), bias, halves=2)
 
 
 def main(argv=None) -> int:
