@@ -55,6 +55,9 @@ class BudgetConfig:
     # depends on theta (DART: fewer MASK positions, a smaller beam; about half at theta 2-4 of what it is
     # at 16-63, experiments/engine/draft_cost_by_theta.py), so small trees' cost is measured, not scaled
     calibration_tokens: int = 48  # per calibration prompt
+    calibration_warmup_tokens: int = 8  # an untimed decode at the widest budget before the timed ones: a first
+    # call's one-off costs (a kernel built or loaded, tables made on first use) would otherwise be priced as
+    # drafting, cached with the calibration (an 11 s build once read as 182 ms a step at 63 nodes)
     refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
     refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
     refresh_streak: int = 2  # consecutive generations off by refresh_ratio (same side) before re-measuring: one
@@ -92,7 +95,7 @@ class BudgetConfig:
 def calibration_key(cfg: BudgetConfig) -> dict:
     """The fields a calibration decode depends on (the rest steer the runner afterwards)."""
     return {k: getattr(cfg, k) for k in ("sizes", "repeats", "prompt_len", "max_nodes", "small_nodes",
-                                         "calibration_tokens")}
+                                         "calibration_tokens", "calibration_warmup_tokens")}
 
 
 def cpu_name() -> str:
@@ -535,6 +538,7 @@ class BudgetController:
         except (OSError, ValueError, KeyError):
             self.observed = Observations()
             with LoadMeter() as meter:
+                self._warm_up()
                 for budget in (cfg.max_nodes, cfg.small_nodes):  # ranks from the widest; the cost of a small tree too
                     self.drafter.set_budget(budget)
                     say(f"calibrating {self.drafter.name}: {len(CALIBRATION_PROMPTS)} prompts x "
@@ -548,6 +552,16 @@ class BudgetController:
                 write_json(path, {"observed": self.observed.greedy, "overhead_obs": self.observed.overhead,
                                   "machine_load": meter.load, "measured_at": time.time()})
         self.choose()
+
+    def _warm_up(self) -> None:
+        """One short untimed decode at the widest budget, so the timed ones pay no first call's one-off costs."""
+        from .config import GenerationConfig
+        from .generate import generate
+
+        t = self.target
+        self.drafter.set_budget(self.cfg.max_nodes)
+        ids = t.encode_prompt(CALIBRATION_PROMPTS[0]) if t.tokenizer is not None else torch.arange(3, 19)
+        generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=self.cfg.calibration_warmup_tokens))
 
     # -- one request
     def plan(self, prompt_len: int, sampled: bool, max_new_tokens: int) -> tuple[dict, dict[int, float]]:
