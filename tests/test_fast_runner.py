@@ -857,7 +857,7 @@ def test_the_isa_variable_picks_the_kernels_build():
         assert kernels.isa() == ("avx512" if "avx512f" in flags else "avx2")
 
 
-def test_the_kernels_avx2_builds_pass_the_kernel_tests():
+def test_the_kernels_avx2_builds_pass_the_kernel_tests(tmp_path):
     """The eager-step kernels are written once for 16 lanes and built for AVX-512 and for AVX2 (csrc/vec.h; most
     laptops' CPUs have AVX2 only). On a CPU with AVX-512 the tests above run the AVX-512 builds; here they run
     again in a process with DART_LAB_ISA=avx2 and torch's own AVX2 kernels (ATEN_CPU_CAPABILITY), against the same
@@ -865,7 +865,9 @@ def test_the_kernels_avx2_builds_pass_the_kernel_tests():
     from dart_lab import kernels
     if kernels.isa() != "avx512" or os.environ.get("DART_LAB_ISA"):
         pytest.skip("the tests above ran this CPU's only build already")
-    env = {**os.environ, "DART_LAB_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}
+    # a fresh inductor cache: its keys do not tell torch's AVX2 kernels from AVX-512 ones, and a graph compiled
+    # for AVX-512 served to this process gives garbage (NaN logits seen with ATEN_CPU_CAPABILITY=avx2 alone)
+    env = {**os.environ, "DART_LAB_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", KERNEL_TESTS],
                          env=env, capture_output=True, text=True, cwd=Path(__file__).parent)
     tail = run.stdout[-3000:]
