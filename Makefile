@@ -62,7 +62,7 @@ reproduce: $(STAMP)
 	  -p num_prompts $(NUM_PROMPTS) -p max_new_tokens $(MAX_NEW_TOKENS) -p batch_grid $(BATCH_GRID) --cwd .
 
 NUM_PROMPTS ?= 5
-# Tables 5-7: small = batch 1-4 on 4 prompts (about 5 minutes on 2 cores); full = the preset's grid on 16 prompts
+# Tables 5-7: small = batch 1-8 on 8 prompts (about 3 minutes on 2 cores); full = the preset's grid on 16 prompts
 BATCH_GRID ?= small
 MAX_NEW_TOKENS ?= 64
 
