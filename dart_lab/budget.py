@@ -37,6 +37,9 @@ from .target import sync
 from .tree import Tree
 
 # short generic requests, none from a benchmark set: the calibration decode must not see test prompts
+DRAFTING_REVISION = 1  # part of every calibration's key: raise it when the drafters' or the search's cost changes, so
+# a cached calibration priced on the old code is measured again (the target's cost has `runner_revision`)
+
 CALIBRATION_PROMPTS = ("Explain how a refrigerator keeps food cold.",
                        "Write a short story about a lighthouse keeper.",
                        "What are the pros and cons of remote work?")
@@ -524,9 +527,10 @@ class BudgetController:
 
         cfg, t = self.cfg, self.target
         self.cost = cost_curve(t, cfg, refresh=refresh)
-        key = {"drafter": self.drafter.config(), "weights": weights_digest(self.drafter), "target": t.name,
+        key = {"drafter": drafter_key(self.drafter), "weights": weights_digest(self.drafter), "target": t.name,
                "dtype": t.precision, "budget": calibration_key(cfg), "prompts": CALIBRATION_PROMPTS,
-               "machine": self.cost["fingerprint"]}  # drafting time depends on the machine and runner
+               "machine": self.cost["fingerprint"], "drafting_revision": DRAFTING_REVISION}  # drafting time depends
+        # on the machine, the runner and the drafting code
         path = cache_dir() / "calibration" / (hashlib.sha256(json.dumps(key, sort_keys=True, default=str)
                                                               .encode()).hexdigest()[:16] + ".json")
         try:
@@ -811,6 +815,16 @@ def head_forward_ms(new_drafter, target, rows: int = 1, repeats: int = 5) -> flo
         for d in ds:
             d.observe([5, 6], torch.randn(2, H3, generator=g).to(dev, dt))
     return statistics.median(times)
+
+
+def drafter_key(drafter) -> dict:
+    """The drafter's config as its calibration depends on it: the arithmetic its head runs in, not the timings
+    that chose it (`methods.fastest_head_dtype` measures them at every load: in the key, no load would find
+    the calibration an earlier one cached)."""
+    c = drafter.config()
+    if isinstance(c.get("head_dtype"), dict):
+        c = {**c, "head_dtype": c["head_dtype"].get("dtype")}
+    return c
 
 
 def weights_digest(drafter) -> str:

@@ -12,7 +12,7 @@ from dart_lab import GenerationConfig, generate, greedy_accept
 from dart_lab.budget import BudgetConfig, BudgetController, acceptance_profile, choose_budget, interpolate, overhead_at
 from dart_lab.dart_ctx import ContextDrafter
 from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig
-from dart_lab.methods import MethodOptions, Runner, make_runner, random_head
+from dart_lab.methods import MethodOptions, Runner, make_drafter, make_runner, random_head
 from dart_lab.search import TreeSearchConfig, topk_levels, tree_search
 
 
@@ -136,6 +136,26 @@ def test_a_first_calls_one_off_cost_is_not_priced_as_drafting(tmp_path, monkeypa
     assert first and timed, "the calibration decoded no tree step"
     assert max(s["draft_ms"] + s["search_ms"] for s in timed) < 400
     assert all(tot / n < 400 for tot, n in r.controller.observed.overhead.values())
+
+
+def test_a_calibration_is_read_back_at_the_next_load(tmp_path, monkeypatch):
+    """A second runner of the same drafter on the same machine reads the calibration the first one cached, also
+    when the head's dtype choice timed other figures this load (`head.chosen_dtype`): it decodes nothing."""
+    import sys
+    gen = sys.modules["dart_lab.generate"]  # the module (the package's `generate` is its function)
+    monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
+    target, cache = tiny_target("llama"), {}
+    opts = MethodOptions(random_heads=True)
+    make_drafter("dart-no-ngram", target, opts, cache)
+    cache["dart_head"].chosen_dtype = {"dtype": "torch.float32", "draft_forward_ms": {"float32": 1.0, "bfloat16": 0.9}}
+    first = make_runner("dart-no-ngram", target, opts, cache)
+    cache["dart_head"].chosen_dtype = {"dtype": "torch.float32", "draft_forward_ms": {"float32": 1.1, "bfloat16": 0.8}}
+    calls = []
+    inner = gen.generate
+    monkeypatch.setattr(gen, "generate", lambda *a, **kw: (calls.append(1), inner(*a, **kw))[1])
+    second = make_runner("dart-no-ngram", target, opts, cache)
+    assert not calls, "the second load decoded its calibration again"
+    assert second.controller.observed.greedy == first.controller.observed.greedy
 
 
 def test_auto_budget_runner_stays_lossless_and_records_its_choice():
