@@ -36,10 +36,10 @@ from .machine import LoadMeter
 from .target import sync
 from .tree import Tree
 
-# short generic requests, none from a benchmark set: the calibration decode must not see test prompts
 DRAFTING_REVISION = 1  # part of every calibration's key: raise it when the drafters' or the search's cost changes, so
 # a cached calibration priced on the old code is measured again (the target's cost has `runner_revision`)
 
+# short generic requests, none from a benchmark set: the calibration decode must not see test prompts
 CALIBRATION_PROMPTS = ("Explain how a refrigerator keeps food cold.",
                        "Write a short story about a lighthouse keeper.",
                        "What are the pros and cons of remote work?")
@@ -60,7 +60,7 @@ class BudgetConfig:
     calibration_tokens: int = 48  # per calibration prompt
     calibration_warmup_tokens: int = 8  # an untimed decode at the widest budget before the timed ones: a first
     # call's one-off costs (a kernel built or loaded, tables made on first use) would otherwise be priced as
-    # drafting, cached with the calibration (an 11 s build once read as 182 ms a step at 63 nodes)
+    # drafting and cached with the calibration
     refresh_ratio: float = 1.3  # observed / predicted verify time (median over a generation) that re-measures the curve
     refresh_min_steps: int = 8  # steps a generation needs before it can trigger a refresh
     refresh_streak: int = 2  # consecutive generations off by refresh_ratio (same side) before re-measuring: one
