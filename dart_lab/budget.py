@@ -541,31 +541,25 @@ class BudgetController:
                                          {int(k): v for k, v in saved["overhead_obs"].items()})
         except (OSError, ValueError, KeyError):
             self.observed = Observations()
+
+            def decode(text: str, budget: int, tokens: int):
+                self.drafter.set_budget(budget)
+                ids = t.encode_prompt(text) if t.tokenizer is not None else \
+                    torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
+                return generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=tokens))
+
             with LoadMeter() as meter:
-                self._warm_up()
+                # untimed first: a first call's one-off costs (a kernel built or loaded) are not drafting
+                decode(CALIBRATION_PROMPTS[0], cfg.max_nodes, cfg.calibration_warmup_tokens)
                 for budget in (cfg.max_nodes, cfg.small_nodes):  # ranks from the widest; the cost of a small tree too
-                    self.drafter.set_budget(budget)
                     say(f"calibrating {self.drafter.name}: {len(CALIBRATION_PROMPTS)} prompts x "
                          f"{cfg.calibration_tokens} tokens at {budget} nodes (cached)")
                     for text in CALIBRATION_PROMPTS:
-                        ids = t.encode_prompt(text) if t.tokenizer is not None else \
-                            torch.randint(3, t.vocab_size, (16,), generator=torch.Generator().manual_seed(len(text)))
-                        res = generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=cfg.calibration_tokens))
-                        self.observe(res, budget)
+                        self.observe(decode(text, budget, cfg.calibration_tokens), budget)
             if not meter.load["contended"]:  # drafting times of a busy moment serve this run only
                 write_json(path, {"observed": self.observed.greedy, "overhead_obs": self.observed.overhead,
                                   "machine_load": meter.load, "measured_at": time.time()})
         self.choose()
-
-    def _warm_up(self) -> None:
-        """One short untimed decode at the widest budget, so the timed ones pay no first call's one-off costs."""
-        from .config import GenerationConfig
-        from .generate import generate
-
-        t = self.target
-        self.drafter.set_budget(self.cfg.max_nodes)
-        ids = t.encode_prompt(CALIBRATION_PROMPTS[0]) if t.tokenizer is not None else torch.arange(3, 19)
-        generate(t, ids, self.drafter, GenerationConfig(max_new_tokens=self.cfg.calibration_warmup_tokens))
 
     # -- one request
     def plan(self, prompt_len: int, sampled: bool, max_new_tokens: int) -> tuple[dict, dict[int, float]]:
