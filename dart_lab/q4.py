@@ -11,6 +11,9 @@ Built on first use (`kernels.build`); where it cannot be built or the CPU lacks 
 `available()` is False and says why (`reason()`)."""
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
 from . import kernels
@@ -49,6 +52,140 @@ def avx2_path(on: bool | None = None) -> bool:
     for); on: force it or not, for tests and A/B timings on a CPU that has both (the setting before is returned).
     y = x' W^T there with x' each group of x as 16-bit integers times a scale, not bf16(x)."""
     return bool(torch.ops.dart_lab.q4mm_avx2(-1 if on is None else int(on))) if available() else False
+
+
+# The arithmetic a 4-bit layer's product takes here, by name; each has its own reference (`reference`). A CPU with
+# AVX512-BF16 takes the first (AMX tiles multiply the same bf16 products with the same fp32 sums), one with AVX2 only
+# the second, and where our kernel is not built the layers run on torch's (`fast_llama.Int4Linear`).
+PATHS = {
+    "avx512-bf16": "x rounded to bf16, the 4-bit values looked up as bf16 numbers, each group's products summed in fp32 "
+                   "(VDPBF16PS, or AMX tiles), then scale and low applied per group in fp32",
+    "avx2-int16": "each group of 32 inputs of x as 16-bit integers n times d = the group's largest |x| / 32767, "
+                  "q * n summed exactly as integers (VPMADDWD), then scale, low and d applied per group in fp32",
+    "torch-int4": "torch's int4 CPU kernel: x and each group's scale and zero rounded to bf16, the result in bf16",
+}
+U32 = 2.0 ** -24  # fp32's unit roundoff
+U_BF16 = 2.0 ** -8  # bf16's unit roundoff
+
+
+def path() -> str:
+    """Which of `PATHS` a 4-bit layer takes here: our kernel's bf16 or int16 path, or torch's kernel where ours
+    is not built (`reason()`)."""
+    if not available():
+        return "torch-int4"
+    return "avx2-int16" if avx2_path() else "avx512-bf16"
+
+
+class NotHere(ValueError):
+    """A 4-bit path this CPU cannot take (`taking`)."""
+
+
+@contextlib.contextmanager
+def taking(name: str):
+    """Within: 4-bit layers take path `name` of `PATHS` (tests, and the notebook's cell on each path); `NotHere`
+    where this CPU cannot take it (our kernel's paths need it built, the bf16 path AVX512-BF16 too)."""
+    if name not in PATHS:
+        raise ValueError(f"unknown 4-bit path {name!r}; the paths are {', '.join(PATHS)}")
+    if name != "torch-int4" and not available():
+        raise NotHere(f"the 4-bit path {name!r} needs our kernel, which is not built here: {reason()}")
+    saved_reason = _state.get("reason", ...)
+    saved_avx2 = avx2_path() if available() else None
+    try:
+        if name == "torch-int4":
+            _state["reason"] = "turned off (q4.taking)"
+        else:
+            avx2_path(name == "avx2-int16")
+            if path() != name:
+                raise NotHere(f"this CPU cannot take the 4-bit path {name!r} (it lacks AVX512-BF16)")
+        yield
+    finally:
+        if saved_reason is ...:
+            _state.pop("reason", None)
+        else:
+            _state["reason"] = saved_reason
+        if saved_avx2 is not None:
+            avx2_path(saved_avx2)
+
+
+def x_as_read(x: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """x (..., K) as path `name` (default: this CPU's, `path()`) multiplies it, in fp64: rounded to bf16, or on the
+    int16 path each group of 32 inputs as integers round(x * (32767 / t)) times t / 32767, t the group's largest
+    |x|, in the kernel's fp32 steps (one division: the reciprocal first)."""
+    name = name or path()
+    if name in ("avx512-bf16", "torch-int4"):
+        return x.to(torch.bfloat16).double()
+    if name != "avx2-int16":
+        raise ValueError(f"unknown 4-bit path {name!r}; the paths are {', '.join(PATHS)}")
+    g = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, 0.0)
+    return (torch.round(g * inv).double() * (amax / 32767.0).double()).reshape(x.shape)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What path `path` computes for y = x W^T + b (`want`, fp32 of an fp64 product over x as that path reads it)
+    and the bound `tol` (per element) on how far its fp32 (or bf16) arithmetic may land from it; `rule` says how
+    the bound is derived."""
+    path: str
+    want: torch.Tensor
+    tol: torch.Tensor
+    rule: str
+
+    def error(self, y: torch.Tensor) -> float:
+        """max |y - want| over the elements, in units of each element's bound (<= 1: within it)."""
+        return float(((y.double() - self.want.double()).abs() / self.tol).max())
+
+    def check(self, y: torch.Tensor, what: str = "the 4-bit kernel") -> None:
+        """AssertionError, one line, where y is outside the bound anywhere."""
+        if y.shape != self.want.shape:
+            raise AssertionError(f"{what}: shape {tuple(y.shape)}, the {self.path} reference {tuple(self.want.shape)}")
+        e = self.error(y)
+        if not e <= 1.0:
+            worst = float((y.double() - self.want.double()).abs().max())
+            raise AssertionError(f"{what} on the {self.path} path is {e:.2f}x its bound from the reference "
+                                 f"(max |diff| {worst:.2e}; {self.rule})")
+
+
+def reference(x: torch.Tensor, groups: tuple, bias: torch.Tensor | None = None, name: str | None = None,
+              halves: int = 1, out_dtype: torch.dtype = torch.float32) -> Reference:
+    """The reference of a 4-bit layer's product on path `name` (default: the one this CPU takes, `path()`).
+
+    x (M, K); groups (q (N, halves K) in 0..15, scale, low (N, halves K / 32, 1)): w = q * scale + low per group
+    of 32 inputs (`fast_llama.int4_groups`; halves=2: an 8-bit grid as two 4-bit halves over [x, x],
+    `Int4Linear.halves_of`); bias (N,) or None. The bound is the classic one for a sum computed in floating point:
+    c roundings of unit u along the longest chain of operations, times the sum of the terms' magnitudes
+    T = sum |scale q x'| + |low x'| (+ |b|), with c from the path's arithmetic (`PATHS`):
+    - avx512-bf16: 32 (a group's 32 products summed in pairs, two roundings a pair) + G (the groups' running sum) + 4
+      (scale, low, bias, the fp32 result);
+    - avx2-int16: the integer sums are exact (below 2^24, so their fp32 conversion too): G + 4 (scale, low, d, bias);
+    - torch-int4: K + 4 (its accumulation order is its own), with scale and zero rounded to bf16 in the weights,
+      plus the bf16 result's own rounding u_bf16 |y|.
+    A result in bf16 (x in bf16) adds u_bf16 |y| for its last rounding."""
+    name = name or path()
+    q, scale, low = groups
+    N, Kh = q.shape
+    K, G = Kh // halves, Kh // 32
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} inputs, the groups {Kh} over {halves} half(s)")
+    xr = torch.cat([x_as_read(x, name)] * halves, -1)
+    s, lo = scale.double(), low.double()
+    if name == "torch-int4":  # the kernel's dequantisation: (q - 8) * bf16(scale) + bf16(low + 8 scale)
+        s = scale.to(torch.bfloat16).double()
+        lo = (low + 8 * scale).to(torch.bfloat16).double() - 8 * s
+    qg = q.double().reshape(N, G, 32)
+    w = (qg * s + lo).reshape(N, Kh)
+    want = xr @ w.T
+    terms = xr.abs() @ (qg * s.abs() + lo.abs()).reshape(N, Kh).T
+    if bias is not None:
+        want, terms = want + bias.double(), terms + bias.double().abs()
+    c = {"avx512-bf16": 32 + G + 4, "avx2-int16": G + 4, "torch-int4": Kh + 4}[name]
+    tol = c * U32 * terms
+    rule = f"tol = {c} x 2^-24 x sum|terms|"
+    if name == "torch-int4" or out_dtype == torch.bfloat16:
+        tol = tol + U_BF16 * want.abs()
+        rule += " + 2^-8 |y| (a bf16 result)"
+    return Reference(name, want.float(), tol.clamp_min(torch.finfo(torch.float32).tiny), rule)
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -3,6 +3,10 @@ embedded SmolLM2 target (skipped when its wheel is not installed)."""
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,12 +85,32 @@ def embedded_in():
 SLOW_MODULES = {"test_browser", "test_reproduce", "test_embedded", "test_gpu_check", "test_copy_head_oracle",
                 "test_train", "test_errors", "test_conformance"}
 SLOW_FIXTURES = {"embedded", "embedded_in"}
+SLOW_TESTS = {"test_the_embedded_tests_pass_as_an_avx2_cpu_runs_them"}  # the embedded target, in a subprocess
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if (module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or getattr(item, "originalname", item.name) in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.embedded)
+
+
+def rerun_as_avx2(test_file: str, select: str, inductor_cache: Path) -> str:
+    """Run the tests of `test_file` that `select` (pytest -k) picks in a process held to AVX2 on a CPU with AVX-512
+    (`kernels.AVX2_ENV`), with a fresh inductor cache: its keys do not tell torch's AVX2 kernels from AVX-512 ones,
+    and a graph compiled for AVX-512 served to that process gives garbage (NaN logits). Skips where the CPU has no
+    AVX-512 (its only build ran already) or the process is held to AVX2 itself. Asserts all passed, none skipped;
+    returns the tail of pytest's report."""
+    from dart_lab import kernels
+    if kernels.isa() != "avx512" or os.environ.get("DART_LAB_ISA"):
+        pytest.skip("the tests ran this CPU's only build already")
+    env = {**os.environ, **kernels.AVX2_ENV, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", select],
+                         env=env, capture_output=True, text=True, cwd=Path(test_file).parent)
+    tail = run.stdout[-3000:]
+    assert run.returncode == 0, tail
+    assert "skipped" not in tail and "passed" in tail, tail
+    return tail

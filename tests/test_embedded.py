@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from dart_lab import GenerationConfig, generate, hf_generate, load_target
+from conftest import _needs_embedded, rerun_as_avx2
 from dart_lab.loading import _cache_is_valid, build_plain_cache
 
 
@@ -113,7 +114,7 @@ def test_low_precision_divergences_sit_at_near_ties(embedded_in, dtype):
     target = embedded_in(dtype)
     if dtype == "int4" and target.precision != "int4":
         pytest.skip("no CPU int4 kernel in this torch")
-    cfg = GenerationConfig(max_new_tokens=48)
+    cfg = GenerationConfig(max_new_tokens=32)
     runners = {m: make_runner(m, target, MethodOptions(tree_nodes="16")) for m in ("ar", "dart", "pld")}
     prompts = [target.encode_prompt(p) for p in ("Explain recursion to a child.", "List three uses of a paperclip.",
                                                   "def fib(n):")]
@@ -131,3 +132,18 @@ def test_low_precision_divergences_sit_at_near_ties(embedded_in, dtype):
             parted += 1
             assert ar.margins[i] <= NEAR_TIE_LOGITS, (m, k, i, ar.margins[i])
     print(f"{dtype}: {parted} of {len(outs)} outputs part from AR, each first at a near-tie")
+
+
+# the embedded-target tests whose numbers depend on which arithmetic path runs: our kernels' builds and the 4-bit
+# kernel's path (the fast runner = the public forward; 4-bit divergences at near-ties). bf16 runs on torch's own
+# kernels on either CPU kind, so its near-tie test is not repeated here (the AVX2 CI row, `make test-avx2`, runs it)
+AVX2_RERUN = "fast_runner_equals_hf or (near_ties and int4)"
+
+
+def test_the_embedded_tests_pass_as_an_avx2_cpu_runs_them(tmp_path):
+    """On a CPU with AVX-512, the embedded-target tests that depend on the arithmetic path run again in a process
+    held to AVX2 (`kernels.AVX2_ENV`: our kernels' AVX2 builds, the 4-bit kernel's int16 path, torch's AVX2
+    kernels), as a laptop runs them; they must pass, none skipped."""
+    _needs_embedded()
+    assert "2 passed" in rerun_as_avx2(__file__, AVX2_RERUN, tmp_path)
+

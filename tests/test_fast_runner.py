@@ -2,15 +2,12 @@
 not; its cache grows and follows dtype changes without changing results. (Its logits, aux states and
 compaction are held against the model's own forward in test_target.py, like the HF runner's.)"""
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from conftest import tiny_model
+from conftest import rerun_as_avx2, tiny_model
 from drafters_for_tests import OracleDrafter
 from dart_lab import DartLabError, GenerationConfig, Tree, generate, q4
 from dart_lab.fast_llama import FastTarget
@@ -422,54 +419,69 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
 
 
 def test_q4_kernel_is_the_4bit_grid_to_fp32_rounding():
-    """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = x' W^T with W = q * scale + low exactly, to fp32
-    rounding, for any row count, x' = bf16(x) on its AVX-512 paths (rows 8 at a time; on AMX tiles 16 at a time,
-    both checked where the CPU has AMX) and x's groups of 32 as 16-bit integers times a scale on its AVX2 path (4
-    rows at a time, checked on every CPU) -- torch's int4 kernel rounds scale and zero to bf16 too; asked for some
-    rows only, those rows' numbers as computed alone and 0 for the others. An 8-bit grid (a Q8_0 LM head) as two
-    4-bit halves, and as itself through `q8mm` (x's groups as 16-bit integers on every CPU). `pack` and `pack8`
-    refuse what the kernels cannot hold."""
+    """Our 4-bit kernel (`q4.Q4Linear`, csrc/q4mm.cpp): y = x' W^T with W = q * scale + low exactly, within the
+    fp32 rounding bound of the path that ran (`q4.reference`), for any row count, x' = bf16(x) on its AVX-512 paths
+    (rows 8 at a time; on AMX tiles 16 at a time, both checked where the CPU has AMX) and x's groups of 32 as 16-bit
+    integers times a scale on its AVX2 path (4 rows at a time, checked on every CPU) -- torch's int4 kernel rounds
+    scale and zero to bf16 too; asked for some rows only, those rows' numbers as computed alone and 0 for the
+    others. An 8-bit grid (a Q8_0 LM head) as two 4-bit halves, and as itself through `q8mm` (x's groups as 16-bit
+    integers on every CPU). `pack` and `pack8` refuse what the kernels cannot hold."""
     if not q4.available():
         pytest.skip(f"our 4-bit kernel is not built here: {q4.reason()}")
-    default, avx2 = q4.amx_rows(), q4.avx2_path()
+    default = q4.amx_rows()
     try:
         for amx in ([None] if default < 0 else [1, 1 << 30]):  # with AMX: every row count on the tiles, then none
             if amx is not None:
                 q4.amx_rows(amx)
-            _q4_kernel_checks(avx2)
-        q4.avx2_path(True)  # the AVX2 path (a CPU without AVX512-BF16 takes it), here as well
-        _q4_kernel_checks(True)
+            _q4_kernel_checks(q4.path())
+        with q4.taking("avx2-int16"):  # the AVX2 path (a CPU without AVX512-BF16 takes it), here as well
+            _q4_kernel_checks("avx2-int16")
     finally:
-        q4.avx2_path(avx2)
         if default >= 0:
             q4.amx_rows(default)
 
 
-def _x_as_read(x: torch.Tensor, avx2: bool) -> torch.Tensor:
-    """x as the 4-bit kernel multiplies it (fp64): rounded to bf16, or on its AVX2 path each group of 32 inputs as
-    integers round(x / d) in [-32767, 32767] times d = the group's largest |x| / 32767, in the kernel's fp32 steps."""
-    if not avx2:
-        return x.to(torch.bfloat16).double()
-    g = x.float().reshape(*x.shape[:-1], -1, 32)
-    amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, 0.0)  # one division (32767 / t: a reciprocal first)
-    return (torch.round(g * inv).double() * (amax / 32767.0).double()).reshape(x.shape)
+def test_the_4bit_reference_is_each_paths_arithmetic():
+    """`q4.reference`, the one reference every check of a 4-bit product reads: on each path its x is the path's
+    reading of x (bf16, or 16-bit integers per group that differ from bf16), torch's int4 kernel lands within its
+    bound, and a result off by more than the bound anywhere fails `check` in one line naming the path."""
+    from dart_lab.fast_llama import Int4Linear, can_int4
+    g = torch.Generator().manual_seed(3)
+    N, K = 32, 128
+    q = torch.randint(0, 16, (N, K), generator=g)
+    scale = (torch.rand(N, K // 32, 1, generator=g) * 0.02 + 0.005).half().float()
+    low = (torch.randn(N, K // 32, 1, generator=g) * 0.05).half().float()
+    x = torch.randn(3, K, generator=g)
+    bf, i16 = q4.x_as_read(x, "avx512-bf16"), q4.x_as_read(x, "avx2-int16")
+    assert torch.equal(bf, x.to(torch.bfloat16).double()) and not torch.equal(bf, i16)
+    assert (i16 - x.double()).abs().max() < (bf - x.double()).abs().max()  # 16 bits a group: closer than bf16's 8
+    if can_int4(torch.device("cpu")):
+        ref = q4.reference(x, (q, scale, low), name="torch-int4")
+        ref.check(Int4Linear(q, scale, low)(x), "torch's int4 kernel")
+        # the bf16 path's reference is not torch's: its scale and zero are not rounded, its result not in bf16
+        assert not torch.equal(ref.want, q4.reference(x, (q, scale, low), name="avx512-bf16").want)
+    ref = q4.reference(x, (q, scale, low), name="avx2-int16")
+    ref.check(ref.want)
+    off = ref.want.clone()
+    off[1, 5] += 3 * ref.tol[1, 5]
+    with pytest.raises(AssertionError, match="avx2-int16"):
+        ref.check(off)
+    with pytest.raises(ValueError, match="unknown 4-bit path"):
+        q4.reference(x, (q, scale, low), name="avx10")
 
 
-def _q4_kernel_checks(avx2: bool):
+def _q4_kernel_checks(path: str):
     from dart_lab.fast_llama import Int4Linear
     g = torch.Generator().manual_seed(0)
     for N, K in ((48, 96), (32, 64)):
         q = torch.randint(0, 16, (N, K), generator=g)
         scale = (torch.rand(N, K // 32, 1, generator=g) * 0.02 + 0.005).half().float()
         low = (torch.randn(N, K // 32, 1, generator=g) * 0.05).half().float()
-        w = (q.reshape(N, K // 32, 32) * scale + low).reshape(N, K)
         bias = torch.randn(N, generator=g)
         lin = q4.Q4Linear.of_groups((q, scale, low), bias)
         for M in (1, 2, 5, 8, 9, 16, 19, 33):
             x = torch.randn(M, K, generator=g)
-            want = (_x_as_read(x, avx2) @ w.double().T + bias.double()).float()
-            torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
+            q4.reference(x, (q, scale, low), bias, path).check(lin(x))
             # some rows only (a batch step's real nodes): those rows' numbers exactly, the others 0
             some = torch.arange(0, M, 2)
             y = torch.ops.dart_lab.q4mm(x, lin.wp, lin.sl, N, 1, some) + bias
@@ -492,20 +504,20 @@ def _q4_kernel_checks(avx2: bool):
                 assert torch.equal(y[some], res[some] + ref[some]) and torch.equal(y[1::2], res[1::2])
         x = torch.randn(2, 3, K, generator=g).to(torch.bfloat16)  # any leading shape and dtype: x's back
         assert lin(x).shape == (2, 3, N) and lin(x).dtype == torch.bfloat16
+        q4.reference(x.float().reshape(6, K), (q, scale, low), bias, path, out_dtype=torch.bfloat16).check(
+            lin(x).reshape(6, N), "the kernel with bf16 inputs")
         # an 8-bit grid (a GGUF Q8_0 LM head) as two 4-bit halves over [x, x]
         q8 = torch.randint(-127, 128, (N, K), generator=g)
         d = (torch.rand(N, K // 32, 1, generator=g) * 1e-3 + 1e-4).half().float()
-        w8 = (q8.reshape(N, K // 32, 32) * d).reshape(N, K)
         head = q4.Q4Linear.of_groups(Int4Linear.halves_of(q8, d), halves=2)
         # and as itself (`q8mm`: one product a weight, x's groups as 16-bit integers on every CPU), bias and any
         # leading shape and dtype as above
         q8lin = q4.Q8Linear.of_grid(q8, d, bias)
         for M in (1, 5, 9, 17):
             x = torch.randn(M, K, generator=g)
-            torch.testing.assert_close(head(x), (_x_as_read(x, avx2) @ w8.double().T).float(),
-                                       atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(q8lin(x), (_x_as_read(x, True) @ w8.double().T + bias.double()).float(),
-                                       atol=1e-5, rtol=1e-5)
+            halves = Int4Linear.halves_of(q8, d)
+            q4.reference(x, halves, None, path, halves=2).check(head(x), "the 8-bit grid as two 4-bit halves")
+            q4.reference(x, halves, bias, "avx2-int16", halves=2).check(q8lin(x), "q8mm")
         assert q8lin(torch.randn(2, 3, K, generator=g).to(torch.bfloat16)).shape == (2, 3, N)
     assert q4.pack(q[:24], scale[:24], low[:24]) is None  # outputs not a multiple of 16
     assert q4.pack(q, scale + 1e-4, low) is None  # scales that are no fp16 numbers
@@ -840,7 +852,7 @@ def test_rms_norm_op_is_torchs_to_fp32_rounding():
 
 # the kernel tests above that run our C++ kernels: again under their AVX2 builds where this CPU has AVX-512
 KERNEL_TESTS = ("layers_in_one_op or q4_kernel or attention_kernel or rope_cache or rope_heads or top2 or move_slots "
-                "or either_attention or rms_norm_op or int4_steps_on_our or isa_variable")
+                "or either_attention or rms_norm_op or int4_steps_on_our or isa_variable or 4bit_reference")
 
 
 def test_the_isa_variable_picks_the_kernels_build():
@@ -862,14 +874,4 @@ def test_the_kernels_avx2_builds_pass_the_kernel_tests(tmp_path):
     laptops' CPUs have AVX2 only). On a CPU with AVX-512 the tests above run the AVX-512 builds; here they run
     again in a process with DART_LAB_ISA=avx2 and torch's own AVX2 kernels (ATEN_CPU_CAPABILITY), against the same
     references (torch's ops, SDPA, the public forward), and must all pass, none skipped."""
-    from dart_lab import kernels
-    if kernels.isa() != "avx512" or os.environ.get("DART_LAB_ISA"):
-        pytest.skip("the tests above ran this CPU's only build already")
-    # a fresh inductor cache: its keys do not tell torch's AVX2 kernels from AVX-512 ones, and a graph compiled
-    # for AVX-512 served to this process gives garbage (NaN logits seen with ATEN_CPU_CAPABILITY=avx2 alone)
-    env = {**os.environ, "DART_LAB_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", KERNEL_TESTS],
-                         env=env, capture_output=True, text=True, cwd=Path(__file__).parent)
-    tail = run.stdout[-3000:]
-    assert run.returncode == 0, tail
-    assert "skipped" not in tail and "passed" in tail, tail
+    rerun_as_avx2(__file__, KERNEL_TESTS, tmp_path)

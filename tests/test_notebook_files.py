@@ -17,3 +17,54 @@ def test_notebook_is_committed_without_outputs_and_with_cell_ids(path):
     ids = [c.get("id") for c in nb["cells"]]
     assert None not in ids, f"cells {[i for i, x in enumerate(ids) if x is None]} have no id"
     assert len(set(ids)) == len(ids), "two cells share an id"
+
+
+def _code_cell(name: str, marker: str) -> str:
+    nb = json.loads((ROOT / "notebooks" / name).read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and marker in "".join(c["source"])]
+    assert len(cells) == 1, f"{name}: {len(cells)} code cells hold {marker!r}"
+    return cells[0]
+
+
+def _stand_in_target():
+    """An object shaped as notebook 07 reads its target (`target.model.model.layers[0].mlp.down_proj`), whose layer
+    is a random Q4_1 grid (scale and low fp16 numbers, as a GGUF stores them)."""
+    from types import SimpleNamespace
+
+    import torch
+    g = torch.Generator().manual_seed(7)
+    N, K = 64, 256
+    q = torch.randint(0, 16, (N, K // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group spans the grid, as Q4_1's quantiser makes it (its min and max)
+    scale = (torch.rand(N, K // 32, 1, generator=g) * 0.02 + 0.005).half().float()
+    low = (torch.randn(N, K // 32, 1, generator=g) * 0.05).half().float()
+    down = torch.nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        down.weight.copy_((q * scale + low).reshape(N, K))
+    layer = SimpleNamespace(mlp=SimpleNamespace(down_proj=down))
+    return SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(layers=[layer])))
+
+
+def test_notebook_07s_kernel_cell_passes_on_every_4bit_path(monkeypatch, capsys):
+    """Notebook 07's kernel cell, run on every 4-bit path this CPU can take (`q4.taking`: torch's kernel on any CPU,
+    our kernel's AVX2 path wherever it builds, its bf16 path where the CPU has AVX512-BF16), with a stand-in layer;
+    it names every path the library has (`q4.PATHS`), and on one it has no reading of x for it stops with an error
+    naming that path instead of checking against another path's reference."""
+    from dart_lab import q4
+    cell = _code_cell("07_when_speculation_pays.ipynb", "q4.path()")
+    missing = [p for p in q4.PATHS if f'"{p}"' not in cell]
+    assert not missing, f"notebook 07's kernel cell does not handle the 4-bit path(s) {missing}"
+    ran = []
+    for name in q4.PATHS:
+        try:
+            with q4.taking(name):
+                exec(compile(cell, "notebook 07 kernel cell", "exec"), {"target": _stand_in_target()})
+        except q4.NotHere:
+            continue  # this CPU cannot take it
+        ran.append(name)
+        assert f"this CPU's 4-bit path: {name}" in capsys.readouterr().out
+    assert "torch-int4" in ran and (not q4.available() or "avx2-int16" in ran), ran
+    monkeypatch.setitem(q4.PATHS, "avx10-fp8", "a path the cell has never seen")
+    monkeypatch.setattr(q4, "path", lambda: "avx10-fp8")
+    with pytest.raises(ValueError, match="avx10-fp8"):
+        exec(compile(cell, "notebook 07 kernel cell", "exec"), {"target": _stand_in_target()})
