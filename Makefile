@@ -37,10 +37,11 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+# PYTEST_ARGS: more pytest options, e.g. PYTEST_ARGS=--durations=40
 # unit tests + every notebook in smoke mode (nbval-lax: outputs are not compared, cells must run); the figures'
 # static images are drawn only where a test looks at them (the browser test's export of notebook 03)
 test: $(STAMP)
-	DART_LAB_SMOKE=1 DART_LAB_SOLUTIONS=1 DART_LAB_STATIC_FIGURES=0 $(BIN)/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider
+	DART_LAB_SMOKE=1 DART_LAB_SOLUTIONS=1 DART_LAB_STATIC_FIGURES=0 $(BIN)/python -m pytest -q tests notebooks --nbval-lax -p no:cacheprovider $(PYTEST_ARGS)
 
 # `make test` as a CPU with AVX2 only (most laptops) runs it, on a CPU with AVX-512: our kernels' AVX2 builds and the
 # 4-bit kernel's int16 path, torch / oneDNN / MKL held to AVX2 (dart_lab.kernels.AVX2_ENV), fresh inductor and
