@@ -33,7 +33,7 @@ def _stand_in_target():
 
     import torch
     g = torch.Generator().manual_seed(7)
-    N, K = 64, 256
+    N, K = 64, 1536  # the embedded target's down_proj has 1536 inputs
     q = torch.randint(0, 16, (N, K // 32, 32), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15  # each group spans the grid, as Q4_1's quantiser makes it (its min and max)
     scale = (torch.rand(N, K // 32, 1, generator=g) * 0.02 + 0.005).half().float()
