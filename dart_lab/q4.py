@@ -110,7 +110,8 @@ def taking(name: str):
 def x_as_read(x: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """x (..., K) as path `name` (default: this CPU's, `path()`) multiplies it, in fp64: rounded to bf16, or on the
     int16 path each group of 32 inputs as integers round(x * (32767 / t)) times t / 32767, t the group's largest
-    |x|, in the kernel's fp32 steps (one division: the reciprocal first)."""
+    |x|, in the kernel's fp32 steps: 32767 / t one fp32 division, tensor by tensor (torch computes a scalar over a
+    tensor as a reciprocal times the scalar, an ulp away, which can move an integer by one), rounded to nearest even."""
     name = name or path()
     if name in ("avx512-bf16", "torch-int4"):
         return x.to(torch.bfloat16).double()
@@ -132,17 +133,13 @@ class Reference:
     tol: torch.Tensor
     rule: str
 
-    def error(self, y: torch.Tensor) -> float:
-        """max |y - want| over the elements, in units of each element's bound (<= 1: within it)."""
-        return float(((y.double() - self.want.double()).abs() / self.tol).max())
-
     def check(self, y: torch.Tensor, what: str = "the 4-bit kernel") -> None:
         """AssertionError, one line, where y is outside the bound anywhere."""
         if y.shape != self.want.shape:
             raise AssertionError(f"{what}: shape {tuple(y.shape)}, the {self.path} reference {tuple(self.want.shape)}")
-        e = self.error(y)
+        diff = (y.double() - self.want.double()).abs()
+        e, worst = float((diff / self.tol).max()), float(diff.max())
         if not e <= 1.0:
-            worst = float((y.double() - self.want.double()).abs().max())
             raise AssertionError(f"{what} on the {self.path} path is {e:.2f}x its bound from the reference "
                                  f"(max |diff| {worst:.2e}; {self.rule})")
 

@@ -85,14 +85,12 @@ def embedded_in():
 SLOW_MODULES = {"test_browser", "test_reproduce", "test_embedded", "test_gpu_check", "test_copy_head_oracle",
                 "test_train", "test_errors", "test_conformance"}
 SLOW_FIXTURES = {"embedded", "embedded_in"}
-SLOW_TESTS = {"test_the_embedded_tests_pass_as_an_avx2_cpu_runs_them"}  # the embedded target, in a subprocess
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-        if (module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
-                or getattr(item, "originalname", item.name) in SLOW_TESTS):
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.embedded)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from dart_lab import GenerationConfig, generate, hf_generate, load_target
 from conftest import _needs_embedded, rerun_as_avx2
+from dart_lab import GenerationConfig, generate, hf_generate, load_target
 from dart_lab.loading import _cache_is_valid, build_plain_cache
 
 
@@ -146,4 +146,3 @@ def test_the_embedded_tests_pass_as_an_avx2_cpu_runs_them(tmp_path):
     kernels), as a laptop runs them; they must pass, none skipped."""
     _needs_embedded()
     assert "2 passed" in rerun_as_avx2(__file__, AVX2_RERUN, tmp_path)
-
