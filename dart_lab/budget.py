@@ -800,7 +800,7 @@ def head_forward_ms(new_drafter, target, rows: int = 1, repeats: int = 5) -> flo
     g = torch.Generator().manual_seed(0)
     H3, dev, dt = 3 * target.hidden_size, target.device, ds[0].head.fc.weight.dtype
     for d in ds:
-        d.begin(target, torch.randint(3, 1000, (129,), generator=g).tolist(), torch.randn(128, H3, generator=g).to(dev, dt))
+        d.begin(target, torch.randint(3, min(1000, target.vocab_size), (129,), generator=g).tolist(), torch.randn(128, H3, generator=g).to(dev, dt))
     times = []
     for r in range(repeats + 1):
         sync(dev)

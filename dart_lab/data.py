@@ -18,14 +18,16 @@ ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assista
         "bing": "assistant", "assistant": "assistant", "system": "system"}
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca", "copy_edit")
-# the paper's evaluation sets on the hub (used only where the hub is reachable)
+# The paper's evaluation sets on the hub (Table 1), read from their data files directly (no loading script:
+# `datasets` >= 4 refuses livecodebench's): name -> (dataset repo, data file glob, prompt fields, id field).
+# Files as published on each repo (their paths are what hub.fetch_snapshot is asked for).
 HUB_DATASETS = {
-    "hub:alpaca": ("tatsu-lab/alpaca", "train", "instruction"),
-    "hub:code_alpaca": ("sahil280114/codealpaca", "train", "instruction"),
-    "hub:humaneval": ("openai/openai_humaneval", "test", "prompt"),
-    "hub:livecodebench": ("livecodebench/code_generation_lite", "test", "question_content"),
-    "hub:math500": ("HuggingFaceH4/MATH-500", "test", "problem"),
-    "hub:mbpp": ("google-research-datasets/mbpp", "test", "text"),
+    "hub:alpaca": ("tatsu-lab/alpaca", "data/train-*.parquet", ("instruction", "input"), None),
+    "hub:code_alpaca": ("sahil280114/codealpaca", "data/code_alpaca_20k.json", ("instruction", "input"), None),
+    "hub:humaneval": ("openai/openai_humaneval", "openai_humaneval/test-*.parquet", ("prompt",), "task_id"),
+    "hub:livecodebench": ("livecodebench/code_generation_lite", "test.jsonl", ("question_content",), "question_id"),
+    "hub:math500": ("HuggingFaceH4/MATH-500", "test.jsonl", ("problem",), "unique_id"),
+    "hub:mbpp": ("google-research-datasets/mbpp", "full/test-*.parquet", ("text",), "task_id"),
 }
 
 
@@ -131,16 +133,48 @@ def _data_file(name: str) -> Path:
 
 
 def _hub_prompts(name: str) -> list[dict]:
+    """A paper set's prompts from its data files (`HUB_DATASETS`): parquet through pyarrow, a JSON array or
+    JSON lines; the prompt is the first field, the second appended as in `_with_input` (Alpaca's input)."""
+    from . import hub
+
+    repo, pattern, fields, id_field = HUB_DATASETS[name]
+    what = f"dataset {name}"
+    files = sorted(hub.fetch_snapshot(repo, what, patterns=[pattern], repo_type="dataset").glob(pattern))
+    if not files:
+        raise DartLabError(f"{what}: {repo} has no file {pattern} (its layout changed?)")
+    rows = []
+    for f in files:
+        rows += _table_rows(f, what)
+    out = []
+    for i, r in enumerate(rows):
+        text = r.get(fields[0]) if isinstance(r, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise DartLabError(f"{what}: row {i + 1} of {repo}/{pattern} has no {fields[0]!r} text")
+        extra = r.get(fields[1], "") if len(fields) > 1 else ""
+        rid = r.get(id_field) if id_field else None
+        out.append({"id": f"{name[4:]}-{rid if rid is not None else i}", "category": name[4:],
+                    "prompt": _with_input(text, extra if isinstance(extra, str) else "")})
+    return out
+
+
+def _table_rows(path: Path, what: str) -> list[dict]:
     try:
-        import datasets
-    except ImportError:
-        raise DartLabError(f"{name} needs the 'datasets' package and hub access (pip install datasets)") from None
-    repo, split, field = HUB_DATASETS[name]
-    try:
-        ds = datasets.load_dataset(repo, split=split)
-    except Exception as e:  # network / auth problems surface as many exception types
-        raise DartLabError(f"cannot load {repo} from the hub: {str(e).splitlines()[0]}") from None
-    return [{"id": f"{name}-{i}", "category": name[4:], "prompt": r[field]} for i, r in enumerate(ds)]
+        if path.suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise DartLabError(f"{what} is a parquet file: install the paper extra (pip install -e '.[paper]')") from None
+            return pq.read_table(path).to_pylist()
+        if path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, list):
+                raise DartLabError(f"{what}: {path.name} is not a JSON array of rows")
+            return data
+        return _read_jsonl(path)
+    except DartLabError:
+        raise
+    except Exception as e:  # a truncated parquet, bad JSON: pyarrow and json raise many types
+        raise DartLabError(f"{what}: cannot read {path.name} ({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]})") from None
 
 
 # ----------------------------------------------------------------------------- ShareGPT

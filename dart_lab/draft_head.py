@@ -102,6 +102,8 @@ class HeadConfig:
             kw["rope_theta"] = float((d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         # heads written by dart_lab record their norm choice; the official ones do not (twice)
         kw.setdefault("final_norm_twice", True)
+        if "vocab_size" in kw:  # the released EAGLE-3 loader drops d2t / t2d when the two vocabularies are one
+            kw.setdefault("draft_vocab_size", kw["vocab_size"])
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size")
                    if k not in kw]
         if missing:
@@ -306,32 +308,57 @@ class HeadBase(nn.Module):
                 (tmp / "README.md").write_text(extra_card)
         return out
 
+    # the files a released loader reads, in the order it tries them (dart_lab/hub.py: DART reads only
+    # model.safetensors; EAGLE-3 tries pytorch_model.bin first)
+    weight_files = ("model.safetensors",)
+    title = "DART head"
+
     @classmethod
     def load(cls, path: str | Path, target=None, device=None, dtype=None):
-        """Load a head from a folder with config.json + model.safetensors (official or ours). With
-        `target`, check that it fits (hidden size, vocabulary) and attach its embedding."""
+        """Load a head from a folder with config.json and the weights as the released loader reads them (official
+        or ours; `hub.py`: any `architectures` / `model_type`, extra keys ignored, embed_tokens from the target).
+        A file that lacks any other weight is refused: strict=False would leave it random. With `target`, check
+        that it fits (hidden size, vocabulary) and attach its embedding."""
 
         path = Path(path)
-        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-            raise DartLabError(f"{path} is not a draft head folder (needs config.json and model.safetensors)")
-        raw = json.loads((path / "config.json").read_text())
-        arch = (raw.get("architectures") or [cls.architecture])[0]
-        if arch != cls.architecture:
-            raise DartLabError(f"{path} holds a {arch} head, not a {cls.architecture}")
-        cfg = HeadConfig.from_official_json(raw)
+        what = f"{cls.title} {path}"
+        if not (path / "config.json").is_file():
+            raise DartLabError(f"{what}: no config.json (not a draft head folder)")
+        weights = next((path / f for f in cls.weight_files if (path / f).is_file()), None)
+        if weights is None:
+            raise DartLabError(f"{what}: no weights (looked for {' or '.join(cls.weight_files)})")
+        try:
+            raw = json.loads((path / "config.json").read_text())
+            cfg = HeadConfig.from_official_json(raw)
+        except (ValueError, TypeError) as e:
+            raise DartLabError(f"{what}: config.json is not a head config ({e})") from None
         head = cls(cfg)
-        sd = load_file(str(path / "model.safetensors"))
+        sd = _read_weights(weights, what)
         sd.pop("embed_tokens.weight", None)
-        missing, unexpected = head.load_state_dict(sd, strict=False)
-        if missing or unexpected:
-            raise DartLabError(f"{path}: state dict does not match a {cls.architecture} head (missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]})")
+        if cfg.draft_vocab_size == cfg.vocab_size and "d2t" not in sd:  # the released loaders' identity mapping
+            sd["d2t"], sd["t2d"] = head.d2t.clone(), torch.ones_like(head.t2d)
+        missing, _ = head.load_state_dict(sd, strict=False)
+        if missing:
+            raise DartLabError(f"{what}: {weights.name} lacks {len(missing)} weight(s) of the head, e.g. "
+                               f"{', '.join(missing[:3])} (not a {cls.architecture} checkpoint)")
         if target is not None:
             check_fits(cfg.target_hidden_size or cfg.hidden_size, cfg.vocab_size, target, cls.architecture)
             head.attach_embedding(target.model.get_input_embeddings())
             device, dtype = device or target.device, dtype or target.dtype
         return head.to(device=device, dtype=dtype).eval() if device or dtype else head.eval()
 
+
+def _read_weights(path: Path, what: str) -> dict:
+    """A state dict from .safetensors or a torch pickle (.bin, read with weights_only: tensors, no code)."""
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: safetensors and torch raise many types
+        raise DartLabError(f"{what}: cannot read {path.name} ({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]})") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise DartLabError(f"{what}: {path.name} is not a state dict of tensors")
+    return sd
 
 
 class DartHead(HeadBase):
@@ -386,6 +413,8 @@ class Eagle3Head(HeadBase):
 
     architecture = "LlamaForCausalLMEagle3"
     with_mask = False
+    weight_files = ("pytorch_model.bin", "model.safetensors")
+    title = "EAGLE-3 head"
 
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, past_kv=None,
                 attn_mask: torch.Tensor | None = None, from_target: bool = True, logits: bool = True):

@@ -5,7 +5,8 @@ instruction sets it is written for. Users: `q4.py` (a 4-bit weight-only matmul),
 decoding step's attention), `fast_llama._rms_norm` (`rms_norm_here`: an eager step's norms),
 `fast_llama.decoder_step` (`rope_cache_here`: an eager step's rotation and K/V cache write; `layers_here`:
 its decoder layers in one op), `generate.top2` (`top2_here`: a step's argmax and margins), `batch.BatchTarget.commit`
-(`move_slots_here`: its cache compaction), `search._levels` (`search_here`: the tree search's level loop)."""
+(`move_slots_here`: its cache compaction), `search._levels` (`search_here`: the tree search's level loop), `ngram.read_trie` (`trie_here`: reading the
+released trie)."""
 from __future__ import annotations
 
 import contextlib
@@ -101,6 +102,7 @@ _norm: dict = {}
 _rope: dict = {}
 _layers: dict = {}
 _search: dict = {}
+_trie: dict = {}
 
 
 def rms_norm_here() -> bool:
@@ -131,6 +133,12 @@ def search_here() -> bool:
     return reason(_search, "search", set(), lambda: None) is None
 
 
+def trie_here() -> bool:
+    """`dart_lab::trie_nodes` (csrc/trie.cpp: one pass over a released n-gram trie file; plain C++, any CPU with
+    a compiler)."""
+    return reason(_trie, "trie", set(), lambda: None) is None
+
+
 def layers_here() -> bool:
     """`dart_lab::q4_layers` (csrc/layers.cpp: an eager step's decoder layers in one op, calling our other
     kernels from C++); it needs those kernels' ops loaded first (`fast_llama.decoder_step` asks after them)."""
@@ -139,9 +147,9 @@ def layers_here() -> bool:
 
 @contextlib.contextmanager
 def turned_off(*stems: str):
-    """Within: the kernels of these `csrc/<stem>.cpp` ("norm", "rope", "layers", "search") count as absent, so
+    """Within: the kernels of these `csrc/<stem>.cpp` ("norm", "rope", "layers", "search", "trie") count as absent, so
     steps take the torch ops (or the Python loop) they replace -- the other side of an A/B timing or a test."""
-    states = {"norm": _norm, "rope": _rope, "layers": _layers, "search": _search}
+    states = {"norm": _norm, "rope": _rope, "layers": _layers, "search": _search, "trie": _trie}
     saved = {s: states[s].get("reason", ...) for s in stems}
     try:
         for s in stems:

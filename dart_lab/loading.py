@@ -6,14 +6,16 @@ model or tokenizer, an unknown dtype or device); the CLI prints it without a tra
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from . import hub
 from .assets import EMBEDDED_FILES, cache_dir, embedded_file
 from .atomic import atomic_dir
 from .budget import say, measure_verify
@@ -23,6 +25,8 @@ from .target import Target
 from .tree import Tree
 
 EMBEDDED_MODELS = ("smollm2-135m",)
+# a hub target's files that loading reads (configs, weights and their index, tokenizer, chat template)
+TARGET_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 _CACHE_FORMAT = 1
 
 
@@ -34,9 +38,19 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
             raise DartLabError(f"unknown device {device!r}: {e}") from None
     if torch.cuda.is_available():
         return torch.device("cuda")
+    if nvidia_gpu_present():
+        warnings.warn(f"an NVIDIA GPU is present but this torch ({torch.__version__}, CUDA build: "
+                      f"{torch.version.cuda or 'no'}) cannot use it; running on the CPU. Install torch's CUDA build "
+                      "for this driver (README, 'GPU box') or pass --device cpu to silence this", stacklevel=2)
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def nvidia_gpu_present() -> bool:
+    """An NVIDIA GPU this machine's driver lists (/proc/driver/nvidia/gpus), whatever torch can do with it."""
+    d = Path("/proc/driver/nvidia/gpus")
+    return d.is_dir() and any(d.iterdir())
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -229,14 +243,18 @@ def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype:
         if not path.exists() and ("/" not in name_or_path or name_or_path.startswith((".", "/"))):
             raise DartLabError(f"unknown model {name_or_path!r}: not an embedded name ({', '.join(EMBEDDED_MODELS)}), "
                                "not a local path, not a hub id")
-        path = path if path.exists() else name_or_path
+        if not path.exists():  # a hub id: its snapshot (the files a causal LM needs), or one line saying why not
+            path = hub.fetch_snapshot(name_or_path, f"target {name_or_path}", patterns=TARGET_FILES)
     if isinstance(dtype, str) and dtype not in ("auto", "int4") and dtype not in _DTYPES:
         raise DartLabError(f"unknown dtype {dtype!r}: use auto, fp32, bf16, fp16 or int4")
     if isinstance(path, Path) and path.is_dir() and not (path / "config.json").is_file():
         raise DartLabError(f"cannot load model {name_or_path!r}: the folder has no config.json (not a HF model folder)")
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        # straight into the arithmetic it will run in, on its device: a GPU box's bf16 target never exists
+        # in fp32 (Qwen3-32B: 66 GB in bf16, 131 GB in fp32); on a CPU "auto" times fp32 against the others
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype(dev, dtype), attn_implementation=attn_implementation,
+                                                     **({"device_map": str(dev)} if dev.type == "cuda" else {}))
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for a bad folder
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DartLabError(f"cannot load model {name_or_path!r}: {first[:300]}") from None
@@ -259,6 +277,17 @@ def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype:
 
 
 RUNNERS = ("auto", "fast", "hf")
+
+
+def load_dtype(device: torch.device, dtype) -> torch.dtype:
+    """The dtype a target is read from disk in: the one it will run in where that is known before loading
+    (an explicit half type; "auto" on CUDA, `choose_dtype`'s choice there), else fp32 (int4 and the CPU's
+    "auto" start from the exact fp32 weights)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto" and device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return _DTYPES.get(dtype, torch.float32)
 
 
 def make_target(model, tokenizer=None, name: str = "custom", runner: str = "auto", dtype_report: dict | None = None) -> Target:

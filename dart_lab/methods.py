@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .assets import resolve_hub
+from . import hub
 from .batch import BatchResult, generate_batch, hf_generate_batch
 from .budget import BudgetConfig, BudgetController
 from .config import GenerationConfig
@@ -76,7 +76,7 @@ def random_head(target, kind: str, seed: int = 0, draft_length: int = 7, shifted
 def load_head(target, kind: str, path: str, random_heads: bool):
     cls = DartHead if kind == "dart" else Eagle3Head
     if path:
-        return cls.load(resolve_hub(path), target=target)
+        return cls.load(hub.resolve(path, f"{kind} head {path}"), target=target)
     shipped = shipped_head(target, kind)
     if shipped is not None:
         return cls.load(shipped, target=target)
@@ -88,7 +88,7 @@ def load_head(target, kind: str, path: str, random_heads: bool):
 
 def load_ngram_for(target, spec: str, max_tokens: int = 0):
     if spec.endswith((".npz", ".trie")):
-        path = resolve_hub(spec) if spec.startswith("hub:") else Path(spec)
+        path = hub.resolve(spec, f"n-gram {spec}") if spec.startswith("hub:") else Path(spec)
         if not path.is_file():
             raise DartLabError(f"n-gram file not found: {spec}")
         return NGram.load(path, vocab_size=target.vocab_size)

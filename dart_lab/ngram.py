@@ -216,52 +216,94 @@ class LocalNGram:
         return out
 
 
-def read_trie(path: str | Path, vocab_size: int | None = None) -> NGram:
-    """Read an official DART `.trie` file (layout in the module docstring) into an NGram."""
+def read_trie(path: str | Path, vocab_size: int | None = None, cache: bool = True) -> NGram:
+    """Read a released DART `.trie` file (layout in the module docstring) into an NGram.
+
+    The file is mapped, not read into memory, and walked once in C++ (`kernels.trie_here`; a Python loop where no
+    compiler is found); the n-gram tables are then built with numpy and cached as .npz under DART_LAB_CACHE/ngram,
+    keyed by the file (path, size, mtime) and the vocabulary, so the next load reads 12 bytes per n-gram.
+    Memory at the first parse: about 50 bytes per node at the peak (16 per node kept while the tables are built,
+    the rest one level's keys and their sort). The paper's full.trie (1.3 B nodes) needs ~65 GB then and ~16 GB
+    as cached tables; small.trie is what the released README suggests for a quick run."""
     path = Path(path)
     try:
-        buf = path.read_bytes()
+        st = path.stat()
     except OSError as e:
-        raise DartLabError(f"cannot read trie {path}: {e}") from None
-    try:
-        order, n = struct.unpack_from("<QQ", buf, 0)
-        off = 16
-        token = np.empty(n, np.int64)
-        parent = np.empty(n, np.int64)
-        freq = np.empty(n, np.int64)
-        head = struct.Struct("<iQiQ")
-        for i in range(n):
-            token[i], parent[i], freq[i], nc = head.unpack_from(buf, off)
-            off += head.size + 12 * nc  # children (int32 token, size_t id) are implied by parent links
-    except struct.error:
-        raise DartLabError(f"{path} is truncated or not a DART .trie file") from None
-    if off != len(buf):
-        raise DartLabError(f"{path}: {len(buf) - off} trailing bytes after {n} nodes; not a DART .trie file")
-    depth = np.zeros(n, np.int64)
-    for i in range(1, n):  # parents are written before children in the official writer
-        depth[i] = depth[parent[i]] + 1 if parent[i] < i else -1
+        raise DartLabError(f"cannot read trie {path}: {e.strerror or e}") from None
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{vocab_size}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "ngram" / f"trie-{key}.npz"
+    if cache and cached.is_file():
+        try:
+            return NGram.load(cached)
+        except DartLabError:
+            pass  # a damaged cache: parse again
+    token, parent, freq, order = _trie_nodes(path)
+    n = token.size
+    if n == 0 or parent[0] != 0:
+        raise DartLabError(f"{path}: node 0 is not a root; not a DART .trie file")
+    # depth by parent links, level by level (a node deeper than the order, or on a cycle, stays -1)
+    depth = np.full(n, -1, np.int8)
+    depth[0] = 0
+    for k in range(1, max(int(order), 3) + 1):
+        depth[(depth < 0) & (depth[parent] == k - 1)] = k
+    depth[0] = 0
     if (depth < 0).any():
-        # fall back to an order-independent resolution
-        for i in np.flatnonzero(depth < 0):
-            d, j = 0, i
-            while j != 0:
-                j, d = parent[j], d + 1
-            depth[i] = d
+        raise DartLabError(f"{path}: {int((depth < 0).sum())} nodes are not within {order} levels of the root; "
+                           "not a DART .trie file")
     V = int(vocab_size or (token.max() + 1))
+    if token[1:].size and (token[1:].min() < 0 or token[1:].max() >= V):
+        raise DartLabError(f"{path}: token ids outside the vocabulary of {V}; a trie of another tokenizer?")
     Vi = np.int64(V)
     out = []
     for k in (1, 2, 3):
         sel = np.flatnonzero(depth == k)
-        if k == 1:
-            key = token[sel]
-        elif k == 2:
-            key = token[parent[sel]] * Vi + token[sel]
-        else:
-            p1 = parent[sel]
-            key = (token[parent[p1]] * Vi + token[p1]) * Vi + token[sel]
-        o = np.argsort(key, kind="stable")
-        out.append((key[o].astype(np.int64), freq[sel][o].astype(np.uint32)))
-    return NGram(V, *out, meta={"source": str(path), "order": int(order), "nodes": int(n)})
+        key_k = token[sel].astype(np.int64)
+        up = sel
+        for j in range(1, k):  # prepend the ancestors' tokens: (a*V + b)*V + t
+            up = parent[up]
+            key_k += token[up].astype(np.int64) * Vi ** j
+        o = np.argsort(key_k, kind="stable")
+        out.append((key_k[o], freq[sel][o].astype(np.uint32)))
+        del sel, up, key_k, o
+    ng = NGram(V, *out, meta={"source": path.name, "order": int(order), "nodes": int(n)})
+    if cache:
+        ng.save(cached)
+    return ng
+
+
+def _trie_nodes(path: Path) -> tuple:
+    """(token int32, parent int64, freq int32, order) of every node, the file mapped read-only."""
+    from . import kernels
+
+    size = path.stat().st_size
+    if size < 16:
+        raise DartLabError(f"{path} is truncated ({size} bytes) or not a DART .trie file")
+    buf = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants a writable array, nothing is written
+    if kernels.trie_here():
+        import torch
+
+        try:
+            token, parent, freq, order = torch.ops.dart_lab.trie_nodes(torch.from_numpy(buf))
+        except RuntimeError as e:
+            raise DartLabError(f"{path}: {str(e).splitlines()[0]}; not a complete DART .trie file") from None
+        return token.numpy(), parent.numpy(), freq.numpy(), order
+    order, n = struct.unpack_from("<QQ", buf, 0)
+    head = struct.Struct("<iQiQ")
+    if n > (size - 16) // head.size:
+        raise DartLabError(f"{path}: truncated: the header says {n} nodes, the file holds at most {(size - 16) // head.size}")
+    token, parent, freq = np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.int32)
+    off = 16
+    try:
+        for i in range(n):
+            token[i], parent[i], freq[i], nc = head.unpack_from(buf, off)
+            off += head.size + 12 * nc  # children (int32 token, size_t id) are implied by parent links
+    except struct.error:
+        raise DartLabError(f"{path}: truncated at node {i} of {n}; not a complete DART .trie file") from None
+    if off != size:
+        raise DartLabError(f"{path}: {size - off} trailing bytes after {n} nodes; not a DART .trie file")
+    if (parent[1:] >= n).any():
+        raise DartLabError(f"{path}: a parent link outside the {n} nodes; not a DART .trie file")
+    return token, parent, freq, order
 
 
 def write_trie(path: str | Path, sequences, order: int = 3) -> None:

@@ -120,23 +120,28 @@ def _read_rows(results_dir, name: str) -> list[dict]:
 
 def table3(results_dir, paper: dict) -> list[dict]:
     """Shifted vs unshifted first logit from stored training runs (results_dir/shift_ablation.json,
-    written by reproduce/ablations.py): per-level top-1 accuracy and hit@10 of levels 1-3."""
+    written by reproduce/ablations.py): per-level top-1 accuracy and hit@10 of levels 1-3. A preset without
+    such a run (the paper presets: a training ablation, not a decoding one) gets the paper's rows, ours blank."""
     ref = paper.get("table3_shifted_logits", {})
-    return [{"variant": r["variant"], "acc_1_3": r["acc"][:3], "hit10_1_3": r["hit10"][:3], "tau_chain": r["tau_chain"],
-             "paper_alpha_1_3": ref.get(r["variant"], {}).get("alpha"),
+    rows = _read_rows(results_dir, "shift_ablation.json") or [  # not trained for this preset: the paper's rows alone
+        {"variant": v, "acc": [], "hit10": [], "tau_chain": None} for v in ("unshifted", "shifted") if v in ref]
+    return [{"variant": r["variant"], "acc_1_3": r["acc"][:3] or None, "hit10_1_3": r["hit10"][:3] or None,
+             "tau_chain": r["tau_chain"], "paper_alpha_1_3": ref.get(r["variant"], {}).get("alpha"),
              "paper_hit10_1_3": ref.get(r["variant"], {}).get("hit_at_10")}
-            for r in _read_rows(results_dir, "shift_ablation.json")]
+            for r in rows]
 
 
 def table4(results_dir, paper: dict) -> list[dict]:
     """gamma sweep from stored training runs (results_dir/gamma_sweep.json, written by
-    reproduce/ablations.py); empty when that sweep has not been run. acc = per-level top-1 accuracy
+    reproduce/ablations.py); the paper's rows alone, ours blank, when not run. acc = per-level top-1 accuracy
     (levels 1-6, the paper's alpha-k), alpha = our conditional chain acceptance."""
     ref = {r["gamma"]: r for r in paper.get("table4_gamma", {}).get("rows", [])}
     rows = []
-    for r in _read_rows(results_dir, "gamma_sweep.json"):
+    ours = _read_rows(results_dir, "gamma_sweep.json") or [  # not trained for this preset: the paper's rows alone
+        {"gamma": g, "acc": [], "alpha": [], "tau_chain": None} for g in ref]
+    for r in ours:
         pr = ref.get(r["gamma"], {})
-        rows.append({"gamma": r["gamma"], "acc_1_6": (r.get("acc") or [])[:6], "alpha_1_6": r["alpha"][:6],
+        rows.append({"gamma": r["gamma"], "acc_1_6": (r.get("acc") or [])[:6] or None, "alpha_1_6": r["alpha"][:6] or None,
                      "tau_chain": r["tau_chain"], "paper_alpha_1_6": pr.get("alpha"), "paper_tau": pr.get("tau")})
     return rows
 

@@ -175,7 +175,8 @@ def test_official_eagle3_checkpoint_loads(tmp_path):
     cfg = GenerationConfig(max_new_tokens=16, stop_on_eos=False)
     ar = generate(target, torch.tensor([3, 4, 5]), None, cfg)
     assert generate(target, torch.tensor([3, 4, 5]), Eagle3Drafter(head), cfg).tokens == ar.tokens
-    with pytest.raises(DartLabError, match="LlamaForCausalLMEagle3"):
+    # read as a DART head (the released DART loader builds one whatever `architectures` says): no mask vector
+    with pytest.raises(DartLabError, match="lacks 1 weight.*mask_rep"):
         DartHead.load(tmp_path / "e3", target=target)
 
 
