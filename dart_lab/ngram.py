@@ -222,9 +222,11 @@ def read_trie(path: str | Path, vocab_size: int | None = None, cache: bool = Tru
     The file is mapped, not read into memory, and walked once in C++ (`kernels.trie_here`; a Python loop where no
     compiler is found); the n-gram tables are then built with numpy and cached as .npz under DART_LAB_CACHE/ngram,
     keyed by the file (path, size, mtime) and the vocabulary, so the next load reads 12 bytes per n-gram.
-    Memory at the first parse: about 50 bytes per node at the peak (16 per node kept while the tables are built,
-    the rest one level's keys and their sort). The paper's full.trie (1.3 B nodes) needs ~65 GB then and ~16 GB
-    as cached tables; small.trie is what the released README suggests for a quick run."""
+    Memory at the first parse: ~53 bytes per node at the peak (16 kept per node while the tables are built, the
+    rest the last level's keys and their sort), plus the mapped file's pages as they are read (clean page cache).
+    For the paper's full.trie (1.3 B nodes, ~52 GB) that is ~70 GB once plus the file's pages, and ~16 GB of cached
+    tables after (times: experiments/engine/trie_read.py); small.trie is what the released README suggests for a
+    quick run."""
     path = Path(path)
     try:
         st = path.stat()
