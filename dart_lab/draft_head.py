@@ -98,6 +98,9 @@ class HeadConfig:
     def from_official_json(cls, d: dict) -> "HeadConfig":
         names = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in d.items() if k in names}
+        scaling = d.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":  # the head would draft off-position
+            raise DartLabError(f"rope_scaling {scaling} is not supported (plain RoPE only)")
         if "rope_theta" not in kw:
             kw["rope_theta"] = float((d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         # heads written by dart_lab record their norm choice; the official ones do not (twice)

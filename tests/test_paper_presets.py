@@ -231,3 +231,17 @@ def test_a_hub_target_is_read_in_the_dtype_it_runs_in(hub_cache, monkeypatch):
     assert loading.load_dtype(torch.device("cuda"), "fp32") == torch.float32
     assert loading.load_dtype(torch.device("cpu"), "auto") == torch.float32
     assert loading.load_dtype(torch.device("cpu"), "int4") == torch.float32
+
+
+def test_a_head_config_with_rope_scaling_is_refused(hub_cache, tmp_path):
+    """The heads run plain RoPE; a config asking for scaled positions would draft off-position, so it stops."""
+    snap = hub_cache / "models--fvliang--qwen4b-dart" / "snapshots" / fake_hub.COMMIT
+    head = tmp_path / "scaled"
+    head.mkdir()
+    cfg = json.loads((snap / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    (head / "model.safetensors").write_bytes((snap / "model.safetensors").read_bytes())
+    with pytest.raises(DartLabError, match="rope_scaling .* not supported"):
+        DartHead.load(head)
+    (head / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "default"}}))
+    assert DartHead.load(head).cfg.draft_vocab_size == cfg["draft_vocab_size"]
