@@ -124,6 +124,7 @@ def _bad_cli(args: list[str], env: dict) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # four commands
 def test_a_bad_hub_artifact_is_one_line_naming_it(hub_cache, tmp_path):
     """A missing weights file, a head whose file lacks weights (wrong layout), a trie cut mid-file, and a
     repo the offline cache does not hold: each one line on stderr, non-zero exit, no traceback."""
@@ -150,8 +151,6 @@ def test_a_bad_hub_artifact_is_one_line_naming_it(hub_cache, tmp_path):
     assert "cut.trie" in line and "truncated" in line
     line = _bad_cli([*target, "--method", "dart", "--dart-head", "fvliang/qwen99b-dart"], env)
     assert "fvliang/qwen99b-dart" in line and "HF_HUB_OFFLINE" in line and "hf download" in line
-    line = _bad_cli(["--target", "Qwen/Qwen3-99B"], env)
-    assert "Qwen/Qwen3-99B" in line
 
 
 def _random_trie(path: Path, seed: int) -> list:
