@@ -115,19 +115,28 @@ def test_each_hub_head_loads_in_its_released_form(hub_cache, size, kind, repo, w
     assert head.draft_to_target().tolist() == torch.nonzero(written["t2d"]).flatten().tolist()
 
 
-def _bad_cli(args: list[str], env: dict) -> str:
-    r = subprocess.run([sys.executable, "-m", "dart_lab", "generate", "--prompt", "hi", "--max-new-tokens", "2",
-                        "--dtype", "fp32", "--device", "cpu", *args], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("dart-lab: error")]
-    assert len(lines) == 1, r.stderr[-2000:]
+def _bad_cli(args: list[str], env: dict, capsys, process: bool = False) -> str:
+    """`dart-lab generate ... args` -> its one stderr line; in this process (the CLI's own `main`) or, with
+    `process`, as a command (its exit code and no traceback)."""
+    argv = ["generate", "--prompt", "hi", "--max-new-tokens", "2", "--dtype", "fp32", "--device", "cpu", *args]
+    if process:
+        r = subprocess.run([sys.executable, "-m", "dart_lab", *argv], env=env, capture_output=True, text=True, timeout=300)
+        code, err = r.returncode, r.stderr
+    else:
+        from dart_lab import cli
+
+        capsys.readouterr()
+        code, err = cli.main(argv), capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err, err[-2000:]
+    lines = [x for x in err.strip().splitlines() if x.startswith("dart-lab: error")]
+    assert len(lines) == 1, err[-2000:]
     return lines[0]
 
 
-@pytest.mark.slow  # four commands
-def test_a_bad_hub_artifact_is_one_line_naming_it(hub_cache, tmp_path):
-    """A missing weights file, a head whose file lacks weights (wrong layout), a trie cut mid-file, and a
-    repo the offline cache does not hold: each one line on stderr, non-zero exit, no traceback."""
+@pytest.mark.slow  # a command
+def test_a_bad_hub_artifact_is_one_line_naming_it(hub_cache, tmp_path, capsys):
+    """A missing weights file, a head whose file lacks weights (wrong layout), a trie cut mid-file (as a command),
+    and a repo the offline cache does not hold: each one line on stderr, non-zero exit, no traceback."""
     from safetensors.torch import load_file, save_file
 
     env = _env(hub_cache, tmp_path)
@@ -136,20 +145,21 @@ def test_a_bad_hub_artifact_is_one_line_naming_it(hub_cache, tmp_path):
     missing = tmp_path / "no-weights"
     missing.mkdir()
     (missing / "config.json").write_bytes((snap / "config.json").read_bytes())
-    line = _bad_cli([*target, "--method", "dart", "--dart-head", str(missing)], env)
+    line = _bad_cli([*target, "--method", "dart", "--dart-head", str(missing)], env, capsys)
     assert "no weights" in line and "model.safetensors" in line
     wrong = tmp_path / "wrong-layout"
     wrong.mkdir()
     (wrong / "config.json").write_bytes((snap / "config.json").read_bytes())
     sd = {k: v for k, v in load_file(str(snap / "model.safetensors")).items() if not k.startswith("midlayer.self_attn")}
     save_file(sd, str(wrong / "model.safetensors"))
-    line = _bad_cli([*target, "--method", "dart", "--dart-head", str(wrong)], env)
+    line = _bad_cli([*target, "--method", "dart", "--dart-head", str(wrong)], env, capsys)
     assert "lacks 4 weight(s)" in line and "midlayer.self_attn" in line
     trie = (hub_cache / "models--fvliang--dart-qwen3-ngram" / "snapshots" / fake_hub.COMMIT / "full.trie").read_bytes()
     (tmp_path / "cut.trie").write_bytes(trie[: len(trie) // 2 + 3])
-    line = _bad_cli([*target, "--method", "dart", "--dart-head", "fvliang/qwen4b-dart", "--ngram", str(tmp_path / "cut.trie")], env)
+    line = _bad_cli([*target, "--method", "dart", "--dart-head", "fvliang/qwen4b-dart", "--ngram", str(tmp_path / "cut.trie")],
+                    env, capsys, process=True)
     assert "cut.trie" in line and "truncated" in line
-    line = _bad_cli([*target, "--method", "dart", "--dart-head", "fvliang/qwen99b-dart"], env)
+    line = _bad_cli([*target, "--method", "dart", "--dart-head", "fvliang/qwen99b-dart"], env, capsys)
     assert "fvliang/qwen99b-dart" in line and "HF_HUB_OFFLINE" in line and "hf download" in line
 
 
