@@ -6,7 +6,7 @@ from .loading import load_target
 from .target import Target
 from .tree import Tree
 from .acceptance import accept, greedy_accept, sample_accept, target_probs
-from .batch import BatchResult, generate_batch, hf_generate_batch
+from .engine.batch import BatchResult, generate_batch, hf_generate_batch
 
 __version__ = "0.2.0"
 __all__ = ["GenerationConfig", "DartLabError", "Drafter", "GenerationResult", "generate", "hf_generate", "Target",

@@ -69,7 +69,7 @@ class BenchConfig:
     model: str = "smollm2-135m"
     device: str = "auto"
     dtype: str = "auto"
-    compile: bool = False  # torch.compile the target's steps (fast_llama.FastTarget.compile)
+    compile: bool = False  # torch.compile the target's steps (runner.FastTarget.compile)
     # requests decoded together (batch.py); 1 = one at a time (the paper's Tables 1-4), more: Tables 5-7.
     # The first size fills `methods`, every size `by_batch`; the sizes' work interleaved in one run
     batch_sizes: tuple = (1,)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from . import kernels, q4
+from .engine import q4
+from .engine import kernels
 from .assets import cache_dir
 from .atomic import write_json
 from .machine import LoadMeter
@@ -278,7 +279,7 @@ def cost_curve(target, cfg: BudgetConfig = BudgetConfig(), cache: bool = True, r
 
 def padded(curve: dict[int, float], buckets) -> dict[int, float]:
     """The curve of a runner that pads each step's nodes to the next of `buckets` (compiled steps,
-    `fast_llama.FastTarget.node_buckets`): every size from 1 to the widest measured, each at its bucket's
+    `runner.FastTarget.node_buckets`): every size from 1 to the widest measured, each at its bucket's
     cost (beyond the last bucket, where steps run eager, as measured). Interpolating between measured
     buckets instead priced 3 nodes between 2 and 4 although they run as 4, and drafted trees that lost."""
     widest = max(curve)  # measured there, it ran padded too: its reading is its bucket's cost
@@ -392,7 +393,7 @@ def choose_budget(tau: list[float], verify_ms: dict[int, float], overhead_ms) ->
 def batch_verify_ms(target, batch: int, sizes, repeats: int = 5, prompt_len: int = 128) -> dict[int, float]:
     """Median wall ms of one batched verify (`batch.BatchTarget`) of `batch` rows with an N-node chain
     each, after `prompt_len` committed tokens per row, sizes interleaved after a warm-up round."""
-    from .batch import BatchTarget
+    from .engine.batch import BatchTarget
 
     bt = BatchTarget(target)
     times = _time_chains(target, [prompt_len] * batch, sizes, repeats, bt.prefill, bt.verify,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import kernels
+from . import fast
 from .atomic import atomic_dir
 from .errors import DartLabError
 
@@ -131,12 +131,11 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         """x * rsqrt(mean(x^2) + eps) in float32, back to x's dtype, times the weight (the Llama order).
         One fused op instead of six: the head runs five norms per draft step; without gradients on fp32 CPU
-        tensors our one-pass op (`kernels.rms_norm_here`: the same formula, its sum of squares in another
-        order, to fp32 rounding; `fast_llama._rms_norm`)."""
-        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu"
-                and x.is_contiguous() and not grad and not torch.compiler.is_compiling() and kernels.rms_norm_here()):
-            return torch.ops.dart_lab.rms_norm.default(x, self.weight, self.eps)
+        tensors the engine's one-pass op (`fast`: the same formula, its sum of squares in another order, to fp32
+        rounding; `engine.step._rms_norm`)."""
+        y = fast.call("rms_norm", x, self.weight, self.eps)  # the engine's one-pass op, where it runs
+        if y is not None:
+            return y
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -180,7 +179,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
         self.nh, self.nkv, self.hd, self.theta = nh, nkv, hd, cfg.rope_theta
-        self.qkv = None  # inference: q|k|v as one fused projection (fast_llama.PackedProjection), set by the drafter
+        self.qkv = None  # inference: q|k|v as one fused projection (int4.PackedProjection), set by the drafter
 
     def forward(self, x, positions, mask, past_kv=None):
         """x (B, T, 2H); positions (T,) or (B, T); mask (T, S) or (B, 1, T, S) bool (True = attend) or None

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .errors import DartLabError
-from .fast_llama import PackedProjection, pack_linears
+from .engine.int4 import PackedProjection, pack_linears
 from .generate import Drafter
 from .search import TreeSearchConfig, topk_levels, tree_search, tree_search_batch
 from .target import Target, sync
@@ -42,7 +42,7 @@ def linears_in_8bit(head) -> bool:
     """Every linear of a draft head through an 8-bit grid of its weights on our kernels (`q4.q8_linear`; q|k|v
     and gate|up fused): a draft forward reads ~1 byte a weight instead of bf16's 2. The head's own weights stay
     as they are. False, and the head unchanged, where the kernel is absent or a shape does not fit."""
-    from .q4 import q8_linear
+    from .engine.q4 import q8_linear
 
     lay = head.midlayer
     att, mlp = lay.self_attn, lay.mlp

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import kernels
+from . import fast
 from .config import GenerationConfig
 from .errors import DartLabError
 from .target import Target, sync
@@ -131,13 +131,9 @@ def _margins(logits: torch.Tensor) -> list[float]:
 
 def top2(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """(k, V) -> each row's argmax (its first maximum, as `greedy_accept` takes it) and its top-1 minus top-2
-    logit (the near-tie record): one pass over fp32 CPU logits with our kernel (`dart_lab::top2`), else torch's
-    max and topk(2)."""
-    if (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
-            and logits.shape[-1] >= 2 and logits.is_contiguous() and kernels.top2_here()):
-        values, index = torch.ops.dart_lab.top2(logits)
-    else:
-        values, index = torch.topk(logits.float(), 2, dim=-1).values, logits.max(-1).indices
+    logit (the near-tie record): torch's max and topk(2), or the engine's one pass over fp32 CPU logits (`fast`)."""
+    out = fast.call("top2", logits)  # the engine's one pass, where it runs
+    values, index = out if out is not None else (torch.topk(logits.float(), 2, dim=-1).values, logits.max(-1).indices)
     return index.tolist(), (values[:, 0] - values[:, 1]).tolist()
 
 

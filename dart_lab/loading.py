@@ -20,7 +20,8 @@ from .assets import EMBEDDED_FILES, cache_dir, embedded_file
 from .atomic import atomic_dir
 from .budget import say, measure_verify
 from .errors import DartLabError
-from .fast_llama import FastTarget, can_int4, unsupported_reason
+from .engine.runner import FastTarget, unsupported_reason
+from .engine.int4 import can_int4
 from .target import Target
 from .tree import Tree
 
@@ -57,7 +58,7 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-INT4 = "int4"  # a choice of `choose_dtype` / `use_dtype` beside the torch dtypes: fast_llama.Int4Linear
+INT4 = "int4"  # a choice of `choose_dtype` / `use_dtype` beside the torch dtypes: int4.Int4Linear
 
 
 def use_dtype(target: Target, choice, exact: dict | None = None) -> None:
@@ -229,7 +230,7 @@ def load_target(name_or_path: str = "smollm2-135m", device: str = "auto", dtype:
     name_or_path: "smollm2-135m" (the embedded SmolLM2-135M-Instruct) or any HF causal-LM id/path
     (Llama, Qwen2, Qwen3, Mistral families are tested through the same public forward).
     dtype: "auto" (see `choose_dtype`), "fp32", "bf16", "fp16" or a torch.dtype.
-    runner: "auto" (the lean `fast_llama.FastTarget` for the Llama family, else the HF public
+    runner: "auto" (the lean `runner.FastTarget` for the Llama family, else the HF public
     forward), "fast" or "hf". compile: torch.compile the fast runner's steps (`FastTarget.compile`).
     """
     if runner not in RUNNERS:

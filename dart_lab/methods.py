@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from . import hub
-from .batch import BatchResult, generate_batch, hf_generate_batch
+from .engine.batch import BatchResult, generate_batch, hf_generate_batch
 from .budget import BudgetConfig, BudgetController
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
@@ -121,7 +121,7 @@ def fastest_head_dtype(target, head, min_gain: float = 1.1, repeats: int = 7):
     every timing."""
     from .budget import head_forward_ms
     from .drafters import dense_linears, linears_in_8bit
-    from .fast_llama import can_pack
+    from .engine.int4 import can_pack
 
     w = head.fc.weight
     if w.dtype != torch.float32 or not can_pack(w.device, torch.bfloat16):

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from . import fast
 from .assets import cache_dir
 from .atomic import atomic_file
 from .data import _read_jsonl, iter_sharegpt
@@ -219,7 +220,7 @@ class LocalNGram:
 def read_trie(path: str | Path, vocab_size: int | None = None, cache: bool = True) -> NGram:
     """Read a released DART `.trie` file (layout in the module docstring) into an NGram.
 
-    The file is mapped, not read into memory, and walked once in C++ (`kernels.trie_here`; a Python loop where no
+    The file is mapped, not read into memory, and walked once in C++ (the engine's, `fast`; a Python loop where no
     compiler is found); the n-gram tables are then built with numpy and cached as .npz under DART_LAB_CACHE/ngram,
     keyed by the file (path, size, mtime) and the vocabulary, so the next load reads 12 bytes per n-gram.
     Memory at the first parse: ~53 bytes per node at the peak (16 kept per node while the tables are built, the
@@ -275,20 +276,13 @@ def read_trie(path: str | Path, vocab_size: int | None = None, cache: bool = Tru
 
 def _trie_nodes(path: Path) -> tuple:
     """(token int32, parent int64, freq int32, order) of every node, the file mapped read-only."""
-    from . import kernels
-
     size = path.stat().st_size
     if size < 16:
         raise DartLabError(f"{path} is truncated ({size} bytes) or not a DART .trie file")
     buf = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants a writable array, nothing is written
-    if kernels.trie_here():
-        import torch
-
-        try:
-            token, parent, freq, order = torch.ops.dart_lab.trie_nodes(torch.from_numpy(buf))
-        except RuntimeError as e:
-            raise DartLabError(f"{path}: {str(e).splitlines()[0]}; not a complete DART .trie file") from None
-        return token.numpy(), parent.numpy(), freq.numpy(), order
+    walked = fast.call("trie_nodes", buf, path)  # the engine's C++ walk, where it is built
+    if walked is not None:
+        return walked
     order, n = struct.unpack_from("<QQ", buf, 0)
     head = struct.Struct("<iQiQ")
     if n > (size - 16) // head.size:

@@ -31,12 +31,13 @@ numpy otherwise; the numpy loop is the reference the compiled one equals bit for
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from . import fast
+from .errors import DartLabError
 from .tree import Tree, best_closed_tree
 
 
@@ -156,10 +157,12 @@ def _levels(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, D: int
     extended by top-k token j % K; parent = index into the list, -1 = root). Through `dart_lab::beam_candidates`
     (csrc/search.cpp, the same numbers bit for bit) where it is built and the n-gram is an `NGram`, none, or dart-ctx's
     mix of one with the request's own (`compiles`); compiled=False: this numpy loop, the reference."""
-    if compiled is None:
-        compiled = _compiled_ok(ngram)
-    if compiled:
-        return _levels_compiled(logp, tokens, context, ngram, cfg, eos_ids, D, beam_width)
+    if compiled is not False:  # the engine's compiled loop, where it runs (`fast`)
+        out = fast.call("beam_candidates", logp, tokens, context, ngram, cfg, eos_ids, D, beam_width)
+        if out is not None:
+            return out
+        if compiled:
+            raise DartLabError("the compiled search does not run here (its kernel is not built, or this n-gram is not one it reads)")
     K = tokens.shape[1]
     f32 = np.float32
     logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
@@ -204,38 +207,6 @@ def _levels(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, D: int
     return (cat(c_par) if c_par else np.zeros(0, np.int64)), score, lvl, col, (cat(c_ng) if c_ng else score)
 
 
-def _compiled_ok(ngram) -> bool:
-    from . import kernels
-    from .ngram import NGram
-
-    return (ngram is None or type(ngram) is NGram or getattr(ngram, "compiles", False)) and kernels.search_here()
-
-
-def _levels_compiled(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, D: int, beam_width: int) -> tuple:
-    logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)
-    w_level, w_logit = _level_weights(cfg.level_exponent, cfg.logit_decay, D)
-    tables = ngram.tables() if use_ng else _NO_TABLES
-    local = ngram.local_tables() if use_ng and hasattr(ngram, "local_tables") else _NO_LOCAL
-    out = torch.ops.dart_lab.beam_candidates(
-        torch.from_numpy(np.ascontiguousarray(logp[:D])), torch.from_numpy(np.ascontiguousarray(tokens[:D], np.int64)),
-        torch.from_numpy(eos), int(context[-2]) if len(context) >= 2 else -1, int(context[-1]), w_level, w_logit,
-        beam_width, use_ng, cfg.ngram_at_level0, float(w_ng), float(eps), *tables, *local)
-    return tuple(t.numpy() for t in out)
-
-
-@functools.lru_cache(maxsize=64)
-def _level_weights(level_exponent: float, logit_decay: float, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_level, w_logit) of levels 0..D-1 as float32 tensors, as the numpy loop rounds them."""
-    f32 = np.float32
-    return (torch.tensor([f32((lvl + 1) ** -level_exponent) for lvl in range(D)], dtype=torch.float32),
-            torch.tensor([f32(logit_decay ** lvl) for lvl in range(D)], dtype=torch.float32))
-
-
-_NO_TABLES = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32),
-              torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32), 0)
-_NO_LOCAL = (*_NO_TABLES[:5], 0.0)  # no request-local n-gram mixed in
-
-
 def _search(logp, tokens, context, ngram, cfg: TreeSearchConfig, eos_ids, nodes: bool, extra_paths=(), prune=True):
     D, beam_width = _depth_and_beam(cfg, logp.shape[0], prune)
     # Exact for a tree of N = max_nodes < beam_width nodes: a beam of N gives the same tree. A kept node
@@ -268,14 +239,15 @@ def tree_search_batch(logp: np.ndarray, tokens: np.ndarray, contexts: list[list[
     scores in the same order, the same beam and final cuts; but each level's n-gram lookups and beam cut
     run for every row's beam together, so a step of R rows costs one pass per level, not R (the search
     per row in Python dominated a GPU step at 64 rows: the H200 results in reproduce/results/). Where the
-    compiled level loop is built (`_levels`), each row runs it alone instead.
+    compiled level loop is built (`_levels`), each row runs it alone instead (`engine.ops`).
 
     Beam entries of all rows sit in one array, grouped by row in beam order, so a row's block of a level
     (its beam x K candidates) is contiguous and candidate index j within it is the per-row search's j."""
+    fast_trees = fast.call("tree_search_batch", logp, tokens, contexts, ngram, cfg, eos_ids)  # the engine's, where it runs
+    if fast_trees is not None:
+        return fast_trees
     R = logp.shape[0]
     D, beam_width = _depth_and_beam(cfg, logp.shape[1])  # the pruned beam, exact as in `_search`
-    if _compiled_ok(ngram):  # each row's level loop compiled costs less than one shared numpy pass
-        return [_search(logp[r], tokens[r], contexts[r], ngram, cfg, eos_ids, nodes=False) for r in range(R)]
     K = tokens.shape[2]
     f32 = np.float32
     logp, eos, use_ng, w_ng, eps = _scoring(cfg, logp, ngram, eos_ids)

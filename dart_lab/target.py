@@ -53,7 +53,7 @@ class Target:
     name: str = "custom"
     dtype_report: dict = field(default_factory=dict)
     # "dense": the model's own weights in its dtype; "int4": 4-bit weight-only matmuls over the same values
-    # (fast runner only, fast_llama.Int4Linear)
+    # (fast runner only, int4.Int4Linear)
     weights: str = "dense"
 
     def __post_init__(self) -> None:
@@ -79,7 +79,7 @@ class Target:
         self.seq_len = 0  # number of tokens in the KV cache
         self._pending = 0  # tree nodes appended by the last verify, awaiting commit
         self._prefilled = False
-        self.runner = "hf"  # the public-forward runner (fast_llama.FastTarget is the lean one)
+        self.runner = "hf"  # the public-forward runner (runner.FastTarget is the lean one)
         # verify ms of the batched steps decoded on this target, by (arithmetic, compiled, rows, nodes per
         # row): what the machine did while decoding, read by the batch budget (budget.observed_curve)
         self.step_log: dict = {}

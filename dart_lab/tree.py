@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import fast
+from .errors import DartLabError
+
 
 @dataclass
 class Tree:
@@ -111,21 +114,17 @@ def best_closed_tree(root: int, tokens: np.ndarray, parents: np.ndarray, scores:
     EAGLE-3 builder can attach a node to a parent it did not keep). Used by the DART tree search and
     the EAGLE-3 dynamic tree.
     Returns the Tree (root first, then by depth, best first within a depth, so children lists are
-    best-first) and `chosen` (N-1,): the candidate index of tree node j+1. Through `dart_lab::closed_tree`
-    (csrc/search.cpp, the same selection) where it is built; compiled=False: this numpy code, the reference."""
-    from . import kernels
-
-    if compiled is None:
-        compiled = kernels.search_here()
-    if compiled:
-        out = torch.ops.dart_lab.closed_tree(torch.from_numpy(np.ascontiguousarray(parents, np.int64)),
-                                             torch.from_numpy(np.ascontiguousarray(scores, np.float64)),
-                                             torch.from_numpy(np.ascontiguousarray(depths, np.int64)), int(max_nodes))
-        chosen_arr, rank, par = (t.numpy() for t in out)
+    best-first) and `chosen` (N-1,): the candidate index of tree node j+1. Through the engine's compiled
+    selection where it runs (`fast`: the same selection); compiled=False: this numpy code, the reference."""
+    fast_pick = fast.call("closed_tree", parents, scores, depths, max_nodes) if compiled is not False else None
+    if fast_pick is not None:  # the engine's selection (`fast`)
+        chosen_arr, rank, par = fast_pick
         return Tree(torch.as_tensor(np.concatenate([[root], tokens[chosen_arr]]).astype(np.int64)),
                     torch.as_tensor(np.concatenate([[-1], par])),
                     scores=torch.as_tensor(np.concatenate([[0.0], scores[chosen_arr].astype(np.float64)])),
                     ranks=torch.as_tensor(np.concatenate([[-1], rank]))), chosen_arr
+    if compiled:
+        raise DartLabError("the compiled tree selection does not run here (its kernel is not built)")
     M = scores.size
     if M > max_nodes > 0:  # only the candidates that can make the cut need a full sort
         kth = np.partition(-scores, max_nodes - 1)[max_nodes - 1]

@@ -41,7 +41,7 @@ def tiny_model(arch: str = "llama", vocab: int = 96, layers: int = 6, hidden: in
 
 
 def tiny_target(arch: str = "llama", runner: str = "hf", **kw) -> Target:
-    """runner "hf": the public-forward reference; "fast": fast_llama.FastTarget."""
+    """runner "hf": the public-forward reference; "fast": runner.FastTarget."""
     return make_target(tiny_model(arch, **kw), None, name=f"tiny-{arch}", runner=runner)
 
 
@@ -102,7 +102,7 @@ def rerun_as_avx2(test_file: str, select: str, inductor_cache: Path) -> str:
     and a graph compiled for AVX-512 served to that process gives garbage (NaN logits). Skips where the CPU has no
     AVX-512 (its only build ran already) or the process is held to AVX2 itself. Asserts all passed, none skipped;
     returns the tail of pytest's report."""
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
     if kernels.isa() != "avx512" or os.environ.get("DART_LAB_ISA"):
         pytest.skip("the tests ran this CPU's only build already")
     env = {**os.environ, **kernels.AVX2_ENV, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}

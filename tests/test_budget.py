@@ -613,7 +613,7 @@ def test_a_change_to_the_4bit_path_invalidates_only_4bit_cost_curves(monkeypatch
     """The cost curve's cache key (`budget.fingerprint`): the 4-bit path's own revision is part of an int4
     target's key only, so raising it re-measures int4 curves and leaves dense ones valid."""
     from dart_lab.budget import fingerprint
-    from dart_lab.fast_llama import FastTarget
+    from dart_lab.engine.runner import FastTarget
     dense, packed = tiny_target("llama", runner="fast"), tiny_target("llama", runner="fast")
     packed.weights = "int4"
     before = fingerprint(dense), fingerprint(packed)

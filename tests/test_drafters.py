@@ -409,7 +409,7 @@ def test_the_heads_norm_on_our_op_is_the_torch_norm_and_training_keeps_autograd(
     """The draft head's RMSNorm: without gradients on fp32 CPU tensors our one-pass op (`dart_lab::rms_norm`),
     `w * F.rms_norm(x)` to fp32 rounding (its sum of squares in another order); with gradients the torch ops, so
     training's backward is unchanged."""
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
     from dart_lab.draft_head import RMSNorm
     if not kernels.rms_norm_here():
         pytest.skip(f"our norm kernel is not built here: {kernels._norm['reason']}")
@@ -557,9 +557,10 @@ def test_head_linears_on_an_8bit_grid_and_the_head_dtype_chosen_by_its_speed(mon
     still trains through the exact weights, and `dense_linears` restores the exact forward. `methods.
     fastest_head_dtype` keeps the arithmetic whose draft forward it timed fastest when that is 1.1x fp32's
     (here a stand-in clock), else fp32 with its weights exact."""
-    from dart_lab import budget, q4
+    from dart_lab import budget
+    from dart_lab.engine import q4
     from dart_lab.drafters import dense_linears, linears_in_8bit
-    from dart_lab.fast_llama import can_pack
+    from dart_lab.engine.int4 import can_pack
     from dart_lab.methods import fastest_head_dtype
 
     if not q4.available():

@@ -58,7 +58,7 @@ def test_library_errors():
     for bad in (dict(max_new_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=-1)):
         with pytest.raises(DartLabError):
             GenerationConfig(**bad)
-    from dart_lab.batch import generate_batch
+    from dart_lab.engine.batch import generate_batch
     from dart_lab.bench import BenchConfig
     with pytest.raises(DartLabError, match="max_rows"):
         generate_batch(target, [torch.tensor([3, 4])], max_rows=0)

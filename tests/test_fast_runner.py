@@ -9,8 +9,9 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import rerun_as_avx2, tiny_model
 from drafters_for_tests import OracleDrafter
-from dart_lab import DartLabError, GenerationConfig, Tree, generate, q4
-from dart_lab.fast_llama import FastTarget
+from dart_lab import DartLabError, GenerationConfig, Tree, generate
+from dart_lab.engine import q4
+from dart_lab.engine.runner import FastTarget
 from dart_lab.loading import make_target
 from dart_lab.target import Target
 
@@ -28,7 +29,7 @@ def test_auto_picks_the_fast_runner_for_the_llama_family_only():
 
 
 def test_cache_growth_and_dtype_change_keep_results():
-    from dart_lab import attention
+    from dart_lab.engine import attention
     model = tiny_model("llama")
     fast, ref = make_target(model, runner="fast"), make_target(model, runner="hf")
     fast.capacity_step = 4  # force several reallocations
@@ -73,7 +74,7 @@ def test_truncate_drops_speculative_entries():
 def test_packed_projections_equal_the_modules_and_follow_weight_edits(arch):
     """The oneDNN-packed fused projections (CPU) compute what the HF modules compute, and an in-place
     weight edit after packing reaches the forward (the packs are rebuilt, never stale)."""
-    from dart_lab.fast_llama import can_pack
+    from dart_lab.engine.int4 import can_pack
     if not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN linear")
     model = tiny_model(arch)
@@ -175,11 +176,11 @@ def _as_4bit_grids(model, group: int = 32, seed: int = 0) -> None:
 
 
 def test_int4_weights_are_the_same_values_through_another_kernel():
-    """dtype "int4" (fast_llama.Int4Linear): a 4-bit grid is recovered exactly from its dequantised values
+    """dtype "int4" (int4.Int4Linear): a 4-bit grid is recovered exactly from its dequantised values
     (and a weight that is no grid is refused: it stays dense); through torch's int4 kernel the runner's
     logits and aux states match the dense fp32 runner within bf16 arithmetic, and greedy speculation equals
     greedy AR wherever the top two logits are not near-tied (here: every step)."""
-    from dart_lab.fast_llama import Int4Linear, can_int4, int4_groups, int8_groups
+    from dart_lab.engine.int4 import Int4Linear, can_int4, int4_groups, int8_groups
     if not can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     model = tiny_model("llama")
@@ -222,7 +223,7 @@ def test_int4_weights_are_the_same_values_through_another_kernel():
 def test_the_one_row_head_runs_in_fp16_only_where_its_range_provably_holds():
     """int4's one-row LM head: fp16 (finer than bf16 over the same bytes) when the final norm's gain and
     the head's rows bound every input and logit inside fp16's range, else bf16."""
-    from dart_lab.fast_llama import _fp16_holds_head, int4_projections
+    from dart_lab.engine.int4 import _fp16_holds_head, int4_projections
     model = tiny_model("llama")
     assert _fp16_holds_head(model)
     x = torch.randn(2, 1, model.config.hidden_size)
@@ -250,8 +251,9 @@ def _grid_model_on_clock(monkeypatch, tmp_path, cost: dict, arch: str = "llama")
     """A tiny Llama with 4-bit grids (`_as_4bit_grids`) whose int4 paths are timed by a stand-in clock
     (`cost`: path name -> rows -> ms; any other path 1e3), the run counted as a quiet machine's, into a fresh
     cache folder."""
-    from dart_lab import fast_llama, machine
-    monkeypatch.setattr(fast_llama, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
+    from dart_lab import machine
+    from dart_lab.engine import int4
+    monkeypatch.setattr(int4, "_time_path", lambda name, fn, x: cost.get(name, lambda r: 1e3)(x.shape[0]))
     monkeypatch.setattr(machine, "LoadMeter", _Quiet)
     monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
     model = tiny_model(arch)
@@ -264,8 +266,9 @@ def test_a_prompt_on_bf16_copies_attends_in_bf16_where_that_measures_faster(monk
     attends in bf16 when `attention.prompt_dtype` measured it faster (forced here both ways): SDPA sees bf16
     queries, keys and values, the logits stay within bf16 arithmetic of the fp32-attention prompt's with the
     same argmax; a prompt on the dense fp32 weights ("4bit": prompts dense) keeps fp32 attention, exactly."""
-    from dart_lab import attention, fast_llama
-    if not fast_llama.can_int4(torch.device("cpu")) or not fast_llama.can_pack(torch.device("cpu"), torch.bfloat16):
+    from dart_lab.engine import attention
+    from dart_lab.engine import int4
+    if not int4.can_int4(torch.device("cpu")) or not int4.can_pack(torch.device("cpu"), torch.bfloat16):
         pytest.skip("no CPU int4 kernel or no packed bf16 here")
     cost = {"int4": lambda r: r, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5, "bf16": lambda r: 4 + r / 8,
             "bf16 packed": lambda r: 4 + r / 8}
@@ -301,7 +304,7 @@ def test_a_path_table_times_a_stalled_reading_again(monkeypatch):
     """`fastest_by_rows`: a median out of proportion with its path's previous one (a stall while it was timed)
     is timed again, so one bad moment does not hand a prompt's rows to a slower path; a path that really costs
     that much at those rows keeps its reading."""
-    from dart_lab import fast_llama
+    from dart_lab.engine import int4
     calls = {}
 
     def clock(name, fn, x):  # "narrow" costs 1 + r/3, "wide" 2 + r/4; at 1024 rows "wide" stalls for `stalled` calls
@@ -311,25 +314,25 @@ def test_a_path_table_times_a_stalled_reading_again(monkeypatch):
             return 1 + r / 3
         return 1e5 if r == 1024 and calls[(name, r)] <= stalled else 2 + r / 4
 
-    monkeypatch.setattr(fast_llama, "_time_path", clock)
+    monkeypatch.setattr(int4, "_time_path", clock)
     paths = {"narrow": [lambda x: x], "wide": [lambda x: x]}
     for stalled, timed, want in ((0, 5, ((1, "narrow"), (256, "wide"))),
                                  (5, 10, ((1, "narrow"), (256, "wide"))),  # one sweep stalled: timed again
                                  (99, 15, ((1, "narrow"), (256, "wide"), (1024, "narrow")))):  # always: kept
         calls.clear()
-        table, times = fast_llama.fastest_by_rows(paths, 4, torch.float32, (1, 2, 8, 256, 1024))
+        table, times = int4.fastest_by_rows(paths, 4, torch.float32, (1, 2, 8, 256, 1024))
         assert table == want and calls[("wide", 1024)] == timed
         assert times[1024]["wide"] == (1e5 if stalled == 99 else 258.0)
 
 
 def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, tmp_path):
-    """int4_paths "measured" (`fast_llama.int4_by_rows`): each linear runs, per row count, the path timed
+    """int4_paths "measured" (`int4.int4_by_rows`): each linear runs, per row count, the path timed
     fastest -- here a stand-in clock where 4 bits cost r and the dense weights 4 + r/8 -- so narrow steps
     read 4 bits and wide ones the dense weights: a one-token step equals the all-4-bit target's, an 8-node
     tree the dense fp32 runner's; AR and speculation then run two arithmetics and part only at near-ties."""
-    from dart_lab import fast_llama
+    from dart_lab.engine import int4
     from dart_lab.bench import NEAR_TIE_LOGITS
-    if not fast_llama.can_int4(torch.device("cpu")):
+    if not int4.can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     cost = {"int4": lambda r: r, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5, "fp32": lambda r: 4 + r / 8}
     model = _grid_model_on_clock(monkeypatch, tmp_path, cost)
@@ -349,9 +352,9 @@ def test_int4_steps_take_the_path_measured_fastest_for_their_rows(monkeypatch, t
     pre = [t.prefill(prompt).logits for t in (dense, four, measured)]
     torch.testing.assert_close(pre[2], pre[0], atol=0, rtol=0)
     torch.testing.assert_close(pre[1], pre[0], atol=0, rtol=0)
-    path, taken = fast_llama.ByRows.path, []
+    path, taken = int4.ByRows.path, []
     with monkeypatch.context() as m:
-        m.setattr(fast_llama.ByRows, "path", lambda self, r: taken.append(path(self, r)) or taken[-1])
+        m.setattr(int4.ByRows, "path", lambda self, r: taken.append(path(self, r)) or taken[-1])
         for p, want in ((prompt[:5], {"int4", "fp16"}), (prompt, {"fp32"})):
             taken.clear()
             measured.prefill(p)
@@ -380,15 +383,17 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
     ours, the decoder layers run as one op calling the same kernels -- the eager loop's numbers bit for bit
     (logits, aux states, the K/V cache; one row and a batch, 1 and 4 nodes, fp32 and bf16 caches); and the
     steps do take it."""
-    from dart_lab import attention, fast_llama, kernels
-    from dart_lab.batch import BatchTarget
+    from dart_lab.engine import attention
+    from dart_lab.engine import kernels
+    from dart_lab.engine import step
+    from dart_lab.engine.batch import BatchTarget
     if not (q4.available() and attention.available() and kernels.rope_cache_here() and kernels.rms_norm_here()
             and kernels.layers_here()):
         pytest.skip("our kernels are not built here")
     model = _grid_model_on_clock(monkeypatch, tmp_path, {"q4": lambda r: 0.0}, arch)  # our 4-bit kernel at every width
     taken = []
-    stack = fast_llama._q4_stack
-    monkeypatch.setattr(fast_llama, "_q4_stack", lambda *a: taken.append(stack(*a)) or taken[-1])
+    stack = step._q4_stack
+    monkeypatch.setattr(step, "_q4_stack", lambda *a: taken.append(stack(*a)) or taken[-1])
     prompts = [torch.tensor([5, 9, 14, 5, 9, 22, 31, 40, 2]), torch.tensor([3, 8, 8, 17]), torch.tensor([11] * 6)]
     chain = Tree(torch.arange(20, 24), torch.arange(-1, 3))
 
@@ -445,7 +450,7 @@ def test_the_4bit_reference_is_each_paths_arithmetic():
     """`q4.reference`, the one reference every check of a 4-bit product reads: on each path its x is the path's
     reading of x (bf16, or 16-bit integers per group that differ from bf16), torch's int4 kernel lands within its
     bound, and a result off by more than the bound anywhere fails `check` in one line naming the path."""
-    from dart_lab.fast_llama import Int4Linear, can_int4
+    from dart_lab.engine.int4 import Int4Linear, can_int4
     g = torch.Generator().manual_seed(3)
     N, K = 32, 128
     q = torch.randint(0, 16, (N, K), generator=g)
@@ -471,7 +476,7 @@ def test_the_4bit_reference_is_each_paths_arithmetic():
 
 
 def _q4_kernel_checks(path: str):
-    from dart_lab.fast_llama import Int4Linear
+    from dart_lab.engine.int4 import Int4Linear
     g = torch.Generator().manual_seed(0)
     for N, K in ((48, 96), (32, 64)):
         q = torch.randint(0, 16, (N, K), generator=g)
@@ -487,7 +492,7 @@ def _q4_kernel_checks(path: str):
             y = torch.ops.dart_lab.q4mm(x, lin.wp, lin.sl, N, 1, some) + bias
             full = torch.ops.dart_lab.q4mm(x[some], lin.wp, lin.sl, N, 1) + bias
             assert torch.equal(y[some], full) and not y[1::2].sub(bias).any()
-        from dart_lab import kernels
+        from dart_lab.engine import kernels
         if kernels.rms_norm_here():  # x through a layer's RMSNorm inside the kernel (`norm`): dart_lab::rms_norm's numbers
             nw = torch.rand(K, generator=g) + 0.5
             for M in (1, 5, 9, 19):
@@ -554,8 +559,8 @@ def test_int4_without_our_kernel_runs_on_torchs(monkeypatch, tmp_path):
     """Where our kernel cannot be built (a CPU without AVX2 and F16C, no compiler: `q4.reason()` says why), it is
     never offered, however fast a clock would call it: every 4-bit linear takes torch's kernel, as the
     all-4-bit target does, with the same logits."""
-    from dart_lab import fast_llama
-    if not fast_llama.can_int4(torch.device("cpu")):
+    from dart_lab.engine import int4
+    if not int4.can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     monkeypatch.setitem(q4._state, "reason", "stand-in: this CPU lacks avx2")
     cost = {"int4": lambda r: r, "q4": lambda r: r / 10, "q4 halves": lambda r: r / 10, "fp16": lambda r: r,
@@ -581,8 +586,8 @@ def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch,
     (`StepGraph._measured_paths`): with a stand-in clock where 8+ rows run the dense fp32 weights, an 8-node
     verify compiled equals the eager one (fp32, not the 4-bit kernel's bf16 arithmetic) and a one-token
     step stays in 4 bits."""
-    from dart_lab import fast_llama
-    if not fast_llama.can_int4(torch.device("cpu")):
+    from dart_lab.engine import int4
+    if not int4.can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     # narrow steps in 4 bits: our kernel (q4.py) where this CPU builds it, else torch's
     cost = {"int4": lambda r: r, "q4": lambda r: r - 0.5, "fp16": lambda r: r, "int8 halves": lambda r: r + 0.5,
@@ -614,7 +619,7 @@ def test_compiled_int4_steps_take_the_paths_measured_for_their_rows(monkeypatch,
 def test_compiled_int4_steps_equal_eager_int4():
     """4-bit weights compiled (`StepGraph` over the `Int4Linear` calls, the ops between them fused): the same
     arithmetic as the eager int4 step up to float reordering, so the same greedy tokens."""
-    from dart_lab.fast_llama import can_int4
+    from dart_lab.engine.int4 import can_int4
     if not can_int4(torch.device("cpu")):
         pytest.skip("this torch has no CPU int4 kernel")
     model = tiny_model("llama")
@@ -640,7 +645,7 @@ def test_attention_kernel_is_sdpa_to_fp32_rounding():
     query heads, 1-8 nodes a row, a mask per row, one for every row or none, keys read from a longer cache
     (strided), every head size the kernel has, fp32 or bf16 caches; masked keys weigh exactly 0 (a key masked out cannot move
     the output, however large its value)."""
-    from dart_lab import attention
+    from dart_lab.engine import attention
     if not attention.available():
         pytest.skip(f"our attention kernel is not built here: {attention.reason()}")
     g = torch.Generator().manual_seed(0)
@@ -701,8 +706,8 @@ def test_attention_kernel_is_sdpa_to_fp32_rounding():
 def test_rope_cache_op_is_the_torch_ops_it_replaces():
     """`dart_lab::rope_cache` (csrc/rope.cpp): q rotated, k rotated and v written to their cache slots, fp32 or
     bf16 caches, bit for bit what the eager step's torch ops compute (rotation, casts, index_copy_)."""
-    from dart_lab import kernels
-    from dart_lab.fast_llama import _rotate
+    from dart_lab.engine import kernels
+    from dart_lab.engine.step import _rotate
     if not kernels.rope_cache_here():
         pytest.skip(f"our rope kernel is not built here: {kernels._rope['reason']}")
     g = torch.Generator().manual_seed(0)
@@ -723,8 +728,8 @@ def test_rope_cache_op_is_the_torch_ops_it_replaces():
 def test_rope_heads_op_is_the_torch_ops_it_replaces():
     """`dart_lab::rope_heads` (csrc/rope.cpp): a prompt's q and k rotated and v transposed, bit for bit what the
     torch ops compute (`_rotate` over the transposed heads), one row and several, head sizes of 64 and 40."""
-    from dart_lab import kernels
-    from dart_lab.fast_llama import _rotate
+    from dart_lab.engine import kernels
+    from dart_lab.engine.step import _rotate
     if not kernels.rope_cache_here():
         pytest.skip(f"our rope kernel is not built here: {kernels._rope['reason']}")
     g = torch.Generator().manual_seed(0)
@@ -741,7 +746,7 @@ def test_top2_op_is_torch_max_and_topk():
     """`dart_lab::top2` (csrc/norm.cpp): each row's argmax (its first maximum, as torch's max) and two largest
     values (topk(2)), ties and widths that are not a multiple of 16 included; `generate.top2` agrees with the
     torch path it replaces."""
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
     from dart_lab.generate import top2
     if not kernels.top2_here():
         pytest.skip(f"our norm kernels are not built here: {kernels._norm['reason']}")
@@ -762,7 +767,7 @@ def test_top2_op_is_torch_max_and_topk():
 def test_move_slots_op_is_the_indexed_copy():
     """`dart_lab::move_slots` (csrc/rope.cpp): a batch's cache compaction, bit for bit the advanced-indexing
     copy `BatchTarget.commit` makes without it (fp32 and bf16 caches; several rows, moves in place skipped)."""
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
     if not kernels.move_slots_here():
         pytest.skip(f"our rope kernel is not built here: {kernels._rope['reason']}")
     g = torch.Generator().manual_seed(0)
@@ -784,8 +789,8 @@ def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
     equal the model's own forward, and greedy speculation equals AR; with the kernel picked, no step of up
     to 16 nodes a row goes through SDPA (only prompts and wider trees)."""
     from conftest import tiny_target
-    from dart_lab import attention
-    from dart_lab.batch import BatchTarget
+    from dart_lab.engine import attention
+    from dart_lab.engine.batch import BatchTarget
     if nodes and not attention.available():
         pytest.skip(f"our attention kernel is not built here: {attention.reason()}")
     ref, fast = tiny_target("qwen3", runner="hf"), tiny_target("qwen3", runner="fast")
@@ -821,7 +826,7 @@ def test_rms_norm_op_is_torchs_to_fp32_rounding():
     F.rms_norm: any width (a partial last vector too), any leading shape; contiguous fp32 only. And the MLP's
     silu(gate) * up in one dispatch (`silu_mul`), exactly torch's, and its bf16 -> bf16 form."""
     import torch.nn.functional as F
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
     if not kernels.rms_norm_here():
         pytest.skip(f"our norm is not built here: {kernels._norm['reason']}")
     g = torch.Generator().manual_seed(0)
@@ -858,7 +863,7 @@ KERNEL_TESTS = ("layers_in_one_op or q4_kernel or attention_kernel or rope_cache
 def test_the_isa_variable_picks_the_kernels_build():
     """DART_LAB_ISA=avx2 runs every kernel's AVX2 build (`kernels.isa()`, the 4-bit kernel's AVX2 path) on a CPU
     that has AVX-512 too; unset, the AVX-512 builds run where the CPU has them."""
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
     flags = kernels.cpu_flags()
     if not kernels.EAGER_ISA <= flags:
         pytest.skip("this CPU lacks AVX2 + FMA + F16C: no kernel build runs")

@@ -50,7 +50,7 @@ def test_notebook_07s_kernel_cell_passes_on_every_4bit_path(monkeypatch, capsys)
     our kernel's AVX2 path wherever it builds, its bf16 path where the CPU has AVX512-BF16), with a stand-in layer;
     it names every path the library has (`q4.PATHS`), and on one it has no reading of x for it stops with an error
     naming that path instead of checking against another path's reference."""
-    from dart_lab import q4
+    from dart_lab.engine import q4
     cell = _code_cell("07_when_speculation_pays.ipynb", "q4.path()")
     missing = [p for p in q4.PATHS if f'"{p}"' not in cell]
     assert not missing, f"notebook 07's kernel cell does not handle the 4-bit path(s) {missing}"

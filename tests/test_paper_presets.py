@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import fake_hub
-from dart_lab import kernels, loading
+from dart_lab import loading
+from dart_lab.engine import kernels
 from dart_lab.draft_head import DartHead, Eagle3Head
 from dart_lab.errors import DartLabError
 from dart_lab.methods import load_head

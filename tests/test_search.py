@@ -207,7 +207,7 @@ def test_a_batch_of_rows_searches_each_row_as_alone(seed, w_ng, max_nodes):
     contexts = [torch.randint(0, V, (1 + (seed + r) % 5,), generator=g).tolist() for r in range(R)]
     cfg = TreeSearchConfig(topk=25, beam_width=20, max_nodes=max_nodes, w_ngram=w_ng)
     eos = frozenset({0, 3})
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
 
     with kernels.turned_off("search"):  # the rows' shared numpy loop, against each row's compiled search
         batch = tree_search_batch(logp, toks, contexts, ng, cfg, eos)
@@ -224,7 +224,7 @@ def test_the_compiled_level_loop_equals_the_numpy_loop(seed, w_ng, beam, ng0):
     float32 scores, levels, ranks and n-gram p, with n-gram hits at every order (a small vocabulary), many equal
     scores (quantised logits), EOS candidates, short contexts, an n-gram term at level 0 or not, no n-gram, and
     dart-ctx's mix of the corpus n-gram with a request's own."""
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
     from dart_lab.dart_ctx import MixedNGram
     from dart_lab.ngram import LocalNGram
     from dart_lab.search import _levels

@@ -53,7 +53,7 @@ def test_the_compiled_closed_tree_equals_the_numpy_one(seed, max_nodes, monotone
     """`dart_lab::closed_tree` (csrc/search.cpp) keeps `best_closed_tree`'s nodes in its order, with its parents,
     scores, ranks and chosen candidates: many equal scores (quantised), budgets below, at and above the number of
     candidates, and scores that rise along a path (a parent outside the first pool: the second pass)."""
-    from dart_lab import kernels
+    from dart_lab.engine import kernels
     from dart_lab.tree import best_closed_tree
 
     assert kernels.search_here(), kernels._search.get("reason")

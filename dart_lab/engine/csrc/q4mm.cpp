@@ -543,7 +543,7 @@ void spread_halves(T* buf, int64_t M, int64_t width, int64_t halves) {
 }
 
 // halves > 1: W is an 8-bit grid held as 4-bit halves side by side along the inputs (q = 16 hi + lo), x of
-// K / halves inputs read as [x, x] (fast_llama.Int4Linear.of_8bit builds the same groups for torch's kernel).
+// K / halves inputs read as [x, x] (int4.Int4Linear.of_8bit builds the same groups for torch's kernel).
 // rows (optional, int64): only these rows of x (flat indices) are computed, the others' outputs are 0 -- a batch
 // step's pad nodes cost no arithmetic; a row's numbers do not depend on the rows beside it.
 // norm (optional, fp32 (K,)): x's rows through that RMSNorm first (eps), as dart_lab::rms_norm computes it.

@@ -90,7 +90,7 @@ def prepare(heads: int, kv_heads: int, head_dim: int, device: torch.device, kv_d
 @torch.no_grad()
 def prompt_dtype(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> torch.dtype:
     """The dtype a prompt's causal attention computes in where its linears run on bf16 copies of the weights
-    (`fast_llama.decoder_step`): bf16 where torch's SDPA measured faster in it than in fp32 on this CPU (bf16
+    (`step.decoder_step`): bf16 where torch's SDPA measured faster in it than in fp32 on this CPU (bf16
     matrix units: about half the time), else fp32. Measured once per process and head geometry: 8 layers'
     attention over a 128-token prompt, both interleaved, the faster of 4 rounds each."""
     key = ("prompt", heads, kv_heads, head_dim)

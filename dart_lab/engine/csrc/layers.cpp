@@ -4,7 +4,7 @@
 // share of a step whose arithmetic is small (docs/speed.md). Here the same ops are called in the same order
 // from C++ through the dispatcher (dart_lab::q4mm, rope_cache, decode_attn, silu_mul and ATen's reshape; each
 // layer's two norms and two residual adds inside the q4mm that reads or writes them, with dart_lab::rms_norm's and
-// at::add's arithmetic), so the numbers are those of fast_llama.decoder_step's eager loop, bit for bit; only the
+// at::add's arithmetic), so the numbers are those of step.decoder_step's eager loop, bit for bit; only the
 // Python and the ops between them are gone.
 //
 // x (B, N, hidden) fp32 contiguous; per layer i: norms[2i], norms[2i+1] (the input and post-attention RMSNorm

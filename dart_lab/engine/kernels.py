@@ -2,8 +2,8 @@
 extension loader the first time a process asks for it (a C++ compiler needed, as for `torch.compile` on a
 CPU; ~10-25 s, then cached by torch, one build per torch version), and only on a CPU that has the
 instruction sets it is written for. Users: `q4.py` (a 4-bit weight-only matmul), `attention.py` (a
-decoding step's attention), `fast_llama._rms_norm` (`rms_norm_here`: an eager step's norms),
-`fast_llama.decoder_step` (`rope_cache_here`: an eager step's rotation and K/V cache write; `layers_here`:
+decoding step's attention), `step._rms_norm` (`rms_norm_here`: an eager step's norms),
+`step.decoder_step` (`rope_cache_here`: an eager step's rotation and K/V cache write; `layers_here`:
 its decoder layers in one op), `generate.top2` (`top2_here`: a step's argmax and margins), `batch.BatchTarget.commit`
 (`move_slots_here`: its cache compaction), `search._levels` (`search_here`: the tree search's level loop), `ngram.read_trie` (`trie_here`: reading the
 released trie)."""
@@ -141,7 +141,7 @@ def trie_here() -> bool:
 
 def layers_here() -> bool:
     """`dart_lab::q4_layers` (csrc/layers.cpp: an eager step's decoder layers in one op, calling our other
-    kernels from C++); it needs those kernels' ops loaded first (`fast_llama.decoder_step` asks after them)."""
+    kernels from C++); it needs those kernels' ops loaded first (`step.decoder_step` asks after them)."""
     return _built(_layers, "layers")
 
 

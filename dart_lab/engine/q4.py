@@ -1,10 +1,10 @@
 """A 4-bit weight-only matmul of our own (`dart_lab/csrc/q4mm.cpp`): the same 4-bit groups as
-`fast_llama.Int4Linear` (GGUF Q4_1: w = q * scale + low per 32 inputs), multiplied by x rounded to bf16 with
+`int4.Int4Linear` (GGUF Q4_1: w = q * scale + low per 32 inputs), multiplied by x rounded to bf16 with
 fp32 sums (bf16 lookups and VDPBF16PS) on CPUs with AVX512-BF16; on CPUs with AVX2 only (`avx2_path`) by each
 group of 32 inputs as 16-bit integers times a scale (VPMADDWD, exact integer sums, then fp32: closer to x than
 bf16 for a group's larger values, and a third of the instructions a weight that fp32 FMAs took). Faster than torch's int4 CPU kernel and closer to the weights (torch's
 rounds each group's scale and zero to bf16; this keeps the GGUF's own fp16 values). It is one more path
-`fast_llama.int4_by_rows` times per row count: taken only where it measures faster. On CPUs with AMX (Intel
+`int4.int4_by_rows` times per row count: taken only where it measures faster. On CPUs with AMX (Intel
 Xeon since Sapphire Rapids) steps of several rows multiply on the tile unit (`amx_rows`).
 
 Built on first use (`kernels.build`); where it cannot be built or the CPU lacks AVX2, FMA and F16C,
@@ -56,7 +56,7 @@ def avx2_path(on: bool | None = None) -> bool:
 
 # The arithmetic a 4-bit layer's product takes here, by name; each has its own reference (`reference`). A CPU with
 # AVX512-BF16 takes the first (AMX tiles multiply the same bf16 products with the same fp32 sums), one with AVX2 only
-# the second, and where our kernel is not built the layers run on torch's (`fast_llama.Int4Linear`).
+# the second, and where our kernel is not built the layers run on torch's (`int4.Int4Linear`).
 PATHS = {
     "avx512-bf16": "x rounded to bf16, the 4-bit values looked up as bf16 numbers, each group's products summed in fp32 "
                    "(VDPBF16PS, or AMX tiles), then scale and low applied per group in fp32",
@@ -149,7 +149,7 @@ def reference(x: torch.Tensor, groups: tuple, bias: torch.Tensor | None = None, 
     """The reference of a 4-bit layer's product on path `name` (default: the one this CPU takes, `path()`).
 
     x (M, K); groups (q (N, halves K) in 0..15, scale, low (N, halves K / 32, 1)): w = q * scale + low per group
-    of 32 inputs (`fast_llama.int4_groups`; halves=2: an 8-bit grid as two 4-bit halves over [x, x],
+    of 32 inputs (`int4.int4_groups`; halves=2: an 8-bit grid as two 4-bit halves over [x, x],
     `Int4Linear.halves_of`); bias (N,) or None. The bound is the classic one for a sum computed in floating point:
     c roundings of unit u along the longest chain of operations, times the sum of the terms' magnitudes
     T = sum |scale q x'| + |low x'| (+ |b|), with c from the path's arithmetic (`PATHS`):
@@ -205,7 +205,7 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch
 
 class Q4Linear:
     """y = x W^T + b through `dart_lab::q4mm`; x and y in x's dtype (computed from fp32 x). halves=2: an 8-bit
-    grid as two 4-bit halves along the inputs (`fast_llama.Int4Linear.of_8bit`'s groups), x read twice."""
+    grid as two 4-bit halves along the inputs (`int4.Int4Linear.of_8bit`'s groups), x read twice."""
 
     def __init__(self, packed: tuple[torch.Tensor, torch.Tensor], out_features: int, in_features: int,
                  bias: torch.Tensor | None = None, halves: int = 1):
@@ -214,7 +214,7 @@ class Q4Linear:
 
     @classmethod
     def of_groups(cls, groups: tuple, bias: torch.Tensor | None = None, halves: int = 1) -> "Q4Linear | None":
-        """From 4-bit groups (q (N, K), scale, low: `fast_llama.int4_groups`, or two halves side by side);
+        """From 4-bit groups (q (N, K), scale, low: `int4.int4_groups`, or two halves side by side);
         None where `pack` declines or the kernel is absent."""
         if not available():
             return None
@@ -242,7 +242,7 @@ def _through(op, x: torch.Tensor, bias: torch.Tensor | None, *weights) -> torch.
 
 
 def pack8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """An 8-bit grid (q (N, K) in -127..127, d (N, K/32, 1): w = q d, `fast_llama.int8_groups`) -> (wq, sd) in
+    """An 8-bit grid (q (N, K) in -127..127, d (N, K/32, 1): w = q d, `int4.int8_groups`) -> (wq, sd) in
     `dart_lab::q8mm`'s layouts (csrc/q4mm.cpp), or None when N is not a multiple of 16, K not of 32, or d no fp16
     numbers (a GGUF's Q8_0 blocks store them so)."""
     N, K = q.shape
@@ -287,7 +287,7 @@ def q8_linear(*mods: torch.nn.Linear) -> "Q8Linear | Q4Linear | None":
     on `q4mm`, twice the products): 8 bits a weight read instead of bf16's 16. Another arithmetic, for a draft head
     (what it drafts moves speed only: the target verifies every token). None where the kernel is absent or a shape
     does not fit it (outputs a multiple of 16, inputs of 32)."""
-    from .fast_llama import Int4Linear
+    from .int4 import Int4Linear
 
     N, K = sum(m.out_features for m in mods), mods[0].in_features
     if not available() or N % 16 or K % 32:

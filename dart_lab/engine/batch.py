@@ -30,13 +30,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import kernels
-from .acceptance import accept, greedy_accept
-from .budget import copy_cap, log_step
-from .config import GenerationConfig
-from .errors import DartLabError
-from .generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator, top2
-from .target import Target, sync
-from .tree import Tree
+from ..acceptance import accept, greedy_accept
+from ..budget import copy_cap, log_step
+from ..config import GenerationConfig
+from ..errors import DartLabError
+from ..generate import Drafter, GenerationResult, _first_token, _margins, count_new_tokens, make_generator, top2
+from ..target import Target, sync
+from ..tree import Tree
 
 
 @dataclass
@@ -51,7 +51,7 @@ class BatchOutput:
 
 class BatchTarget:
     """B sequences over one `Target`'s weights: `prefill(prompts)`, then `verify(trees)` / `commit(paths)`
-    per step, and `keep(rows)` when rows finish. The compact runner (`fast_llama`) keeps a static K/V
+    per step, and `keep(rows)` when rows finish. The compact runner (`engine.runner`) keeps a static K/V
     cache (L, B, kv_heads, capacity, head_dim); the public-forward runner its `DynamicCache` with a 4D
     additive mask. The single-sequence `Target` is left untouched (its own cache)."""
 
@@ -91,7 +91,7 @@ class BatchTarget:
         t, dev = self.target, self.target.device
         B, N = ids.shape
         if self.fast:
-            from .fast_llama import decoder_step
+            from .step import decoder_step
 
             self._ensure(self.end + N)
             slots = torch.arange(self.end, self.end + N, device=dev)
@@ -167,7 +167,7 @@ class BatchTarget:
         """Fast runner: the prompts packed end to end through the decoder (`decoder_step`'s segments:
         each causal over its own tokens, written into its row of the cache), at most `pack_tokens` a
         forward; no compute is spent on padding, and the linears see every prompt's tokens at once."""
-        from .fast_llama import decoder_step
+        from .step import decoder_step
 
         t, dev = self.target, self.target.device
         self.lens = [0] * len(prompts)
@@ -431,7 +431,7 @@ def _batched_head_forward(proposers: list[Drafter], ids: list[list[int]]) -> tup
     """Step 1's head forward, once for every row whose drafter wants one this step (`Drafter.wants_head`),
     grouped by head and number of masks (`drafters.draft_logits_batch`). Returns {row: its logits} and
     the forward's ms per row (each row's draft_ms carries its share). A single such row drafts alone."""
-    from .drafters import draft_logits_batch
+    from ..drafters import draft_logits_batch
 
     want = [i for i, p in enumerate(proposers) if p.wants_head(ids[i])]
     if len(want) < 2:
@@ -573,7 +573,7 @@ def generate_batch(target: Target, prompts: list, drafters: list[Drafter] | None
 def _draft(rows: list, proposers: list, lens: list[int], max_context: int) -> list[tuple[Tree, dict]]:
     """Step 1 for the live rows: each proposer's tree rooted at its row's last token (one batched head
     forward for the DART rows, its time shared out over them) and the proposer's timing."""
-    from .drafters import DartDrafter, propose_rows
+    from ..drafters import DartDrafter, propose_rows
 
     logits, shared_ms = _batched_head_forward(proposers, [row.ids for row in rows])
     # DART's rows (the plain drafter; dart-ctx adds per-row candidates) search together, grouped by what
@@ -651,7 +651,7 @@ def hf_generate_batch(target: Target, prompts: list, cfg: GenerationConfig = Gen
     """External reference: Hugging Face `generate` on the prompts left-padded into one batch (attention
     mask over the padding), each row counted as `generate.hf_generate` counts. HF does not separate
     prefill from decode, so all time is decode_s. Prompt lookup (hf-pld) runs one row at a time in HF."""
-    from .generate import hf_generate
+    from ..generate import hf_generate
 
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
     if any(p.numel() == 0 for p in prompts):
