@@ -7,8 +7,8 @@ from .target import Target
 from .tree import Tree
 from .acceptance import accept, greedy_accept, sample_accept, target_probs
 from .engine.batch import BatchResult, generate_batch, hf_generate_batch
+from .version import __version__  # noqa: F401
 
-__version__ = "0.2.0"
 __all__ = ["GenerationConfig", "DartLabError", "Drafter", "GenerationResult", "generate", "hf_generate", "Target",
            "load_target", "Tree", "accept", "greedy_accept", "sample_accept", "target_probs",
            "BatchResult", "generate_batch", "hf_generate_batch"]

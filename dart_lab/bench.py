@@ -41,10 +41,10 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from . import __version__
+from .version import __version__
 from .config import GenerationConfig
 from .atomic import write_json
-from .budget import say
+from .measure import say
 from .data import load_prompts
 from .errors import DartLabError
 from .loading import load_target
@@ -270,12 +270,9 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
     prompts = load_prompts(cfg.dataset, cfg.num_prompts)
     target = target or load_target(cfg.model, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile)
     skipped, runners = _runners(cfg, target)
-    methods = list(runners)
-    greedy = cfg.temperature == 0.0
     partial = out.with_name(out.name + ".partial.jsonl")
     key = cfg.key()
     rows = _read_partial(partial, key)
-    done = {(r["prompt_id"], r["method"], r.get("repeat", 0)) for r in rows}
 
     if getattr(target, "compile", False):  # every step shape the decodes can meet, compiled before any timing
         longest = max(target.encode_prompt(p["prompt"]).numel() for p in prompts)
@@ -283,36 +280,58 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
         target.precompile(longest + cfg.max_new_tokens + max(target.node_buckets))
     read_gbs = memory_read_gbs(device=target.device)  # before the timed runs: about a second
     load0, t_run = cpu_counters(), time.perf_counter()
-    # warm-up: every method, discarded
-    wids = target.encode_prompt(WARMUP_PROMPT)
-    for _ in range(cfg.warmup):
-        for m in methods:
-            if progress:
-                say(f"bench warm-up: {m}")
-            runners[m].generate(wids, dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens)))
-
-    order = list(methods)
+    order = list(runners)
     if "ar" in order:  # AR first in the list so match_ar can be judged; timing order still rotates
         order.remove("ar")
         order.insert(0, "ar")
     one_at_a_time = cfg.batch_sizes[0] == 1  # the first size 1: each prompt alone through `Runner.generate`
     sizes = [B for B in cfg.batch_sizes if not (B == 1 and one_at_a_time)]
     batched = [m for m in order if get_method(m).batches]
+    _warm_up(cfg, target, runners, batched, sizes, progress)
+    rows = _run_units(cfg, target, prompts, runners, order, batched, sizes, one_at_a_time, partial, key, rows, progress)
+    result = _result(cfg, key, target, runners, skipped, rows, order, batched, sizes, read_gbs,
+                     machine_load(load0, time.perf_counter() - t_run))
+    write_json(out, result)
+    partial.unlink(missing_ok=True)
+    return result
+
+
+def _warm_up(cfg: BenchConfig, target, runners: dict, batched: list, sizes: list, progress: bool) -> None:
+    """Every method decodes the warm-up prompt `cfg.warmup` times, discarded; each batch size's batched methods too
+    (which also times each size's batched verify surface for the budget, outside the timing)."""
+    wids = target.encode_prompt(WARMUP_PROMPT)
+    warm = dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens))
+    for _ in range(cfg.warmup):
+        for m in runners:
+            if progress:
+                say(f"bench warm-up: {m}")
+            runners[m].generate(wids, warm)
     if getattr(target, "compile", False) and sizes and progress:
         say("batch sizes > 1 decode with eager steps: --compile compiles one request's steps only")
-    warm = dataclasses.replace(cfg.generation(), max_new_tokens=min(32, cfg.max_new_tokens))
-    for B in sizes:  # also times each size's batched verify surface for the budget (outside the timing)
+    for B in sizes:
         for _ in range(cfg.warmup):
             for m in batched:
                 runners[m].generate_batch([wids] * B, warm)
-    # the work in units -- a prompt alone, or a group of B prompts decoded together (consecutive groups; continuous
-    # batching: all prompts, B rows at once) -- run in the order of their first prompt (the smaller size first):
-    # each size's share is spread over the whole run, so where the machine's speed drifts (a VM's neighbours) every
-    # size's figure moves alike and their ratios (batch B against one at a time) hold
-    units = [(i, 1, i) for i in range(len(prompts))] if one_at_a_time else []
+
+
+def _units(cfg: BenchConfig, n_prompts: int, one_at_a_time: bool, sizes: list) -> list[tuple[int, int, int]]:
+    """The work as (first prompt, batch size, group): a prompt alone, or a group of B prompts decoded together
+    (consecutive groups; continuous batching: all prompts, B rows at once), in the order of their first prompt
+    (the smaller size first): each size's share is spread over the whole run, so where the machine's speed drifts
+    (a VM's neighbours) every size's figure moves alike and their ratios (batch B against one at a time) hold."""
+    units = [(i, 1, i) for i in range(n_prompts)] if one_at_a_time else []
     for B in sizes:
-        units += [(s, B, g) for g, s in enumerate([0] if cfg.continuous else range(0, len(prompts), B))]
-    units.sort(key=lambda u: (u[0], u[1]))
+        units += [(s, B, g) for g, s in enumerate([0] if cfg.continuous else range(0, n_prompts, B))]
+    return sorted(units, key=lambda u: (u[0], u[1]))
+
+
+def _run_units(cfg: BenchConfig, target, prompts, runners: dict, order: list, batched: list, sizes: list,
+               one_at_a_time: bool, partial: Path, key, rows: list, progress: bool) -> list:
+    """Decode every unit with every method (rotating which goes first), appending each unit's rows to `partial`
+    as it finishes (an interrupted run resumes there); returns every row."""
+    greedy = cfg.temperature == 0.0
+    done = {(r["prompt_id"], r["method"], r.get("repeat", 0)) for r in rows}
+    units = _units(cfg, len(prompts), one_at_a_time, sizes)
     it = tqdm(units, desc=f"bench {cfg.dataset}", unit="unit") if progress else units
 
     def generate(m: str, ids, gen_cfg, B: int):
@@ -322,31 +341,28 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
             runners[m].generate_batch(ids, gen_cfg, max_rows=B)
 
     for start, B, g in it:
-        if B == 1 and one_at_a_time:
-            prompt = prompts[start]
-            ids = target.encode_prompt(prompt["prompt"])
-            gen_cfg = cfg.generation(seed=cfg.seed + start)
-            for rep in range(cfg.repeats):
-                if all((prompt["id"], m, rep) in done for m in order):
-                    continue
-                k = (start * cfg.repeats + rep) % len(order)
-                results = {m: generate(m, ids, gen_cfg, B) for m in order[k:] + order[:k]}
-                ar = results["ar"] if ("ar" in results and greedy) else None
-                rows = _append_rows(partial, key, rows, [dict(_row(results[m], prompt, m, ar), repeat=rep)
-                                                         for m in order])
-            continue
-        group = prompts if cfg.continuous else prompts[start:start + B]
-        gid = f"batch{B}{'c' if cfg.continuous else ''}:" + "+".join(str(p["id"]) for p in group)
-        ids = [target.encode_prompt(p["prompt"]) for p in group]
-        gen_cfg = cfg.generation(seed=cfg.seed + g)
+        alone = B == 1 and one_at_a_time
+        group = [prompts[start]] if alone else prompts if cfg.continuous else prompts[start:start + B]
+        uid = group[0]["id"] if alone else f"batch{B}{'c' if cfg.continuous else ''}:" + "+".join(str(p["id"]) for p in group)
+        ids = target.encode_prompt(group[0]["prompt"]) if alone else [target.encode_prompt(p["prompt"]) for p in group]
+        gen_cfg = cfg.generation(seed=cfg.seed + (start if alone else g))
+        methods = order if alone else batched
         for rep in range(cfg.repeats):
-            if all((gid, m, rep) in done for m in batched):
+            if all((uid, m, rep) in done for m in methods):
                 continue
-            k = (g * cfg.repeats + rep) % len(batched)
-            results = {m: generate(m, ids, gen_cfg, B) for m in batched[k:] + batched[:k]}
+            k = ((start if alone else g) * cfg.repeats + rep) % len(methods)
+            results = {m: generate(m, ids, gen_cfg, B) for m in methods[k:] + methods[:k]}
             ar = results["ar"] if ("ar" in results and greedy) else None
-            rows = _append_rows(partial, key, rows, [dict(_batch_row(results[m], gid, m, ar, B), repeat=rep)
-                                                     for m in batched])
+            new = [dict(_row(results[m], group[0], m, ar) if alone else _batch_row(results[m], uid, m, ar, B), repeat=rep)
+                   for m in methods]
+            rows = _append_rows(partial, key, rows, new)
+    return rows
+
+
+def _result(cfg: BenchConfig, key, target, runners: dict, skipped, rows: list, order: list, batched: list, sizes: list,
+            read_gbs: float, load: dict) -> dict:
+    """The result file's dict: the aggregates per batch size, the machine, the drafters, how it was counted."""
+    greedy = cfg.temperature == 0.0
     by_batch = {str(B): {"methods": aggregate(fastest_pass([r for r in rows if r.get("batch_size") == B]), batched,
                                               greedy)} for B in sizes}
     single = [r for r in rows if "batch_size" not in r]
@@ -362,7 +378,7 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                              "speedup_vs_ar = tokens_per_s / AR tokens_per_s on the same prompts; "
                              "speedup_vs_ar_median = median over prompts of the per-prompt ratio; "
                              "tau = emitted tokens / verify steps (bonus included)",
-              "machine_load": machine_load(load0, time.perf_counter() - t_run),
+              "machine_load": load,
               "methods": by_batch[str(cfg.batch_sizes[0])]["methods"], "per_prompt": rows}
     if len(cfg.batch_sizes) > 1 or cfg.batch_sizes[0] > 1:
         result["by_batch"] = by_batch
@@ -382,8 +398,6 @@ def run_bench(cfg: BenchConfig, out: str | Path, target=None, progress: bool = T
                                     "fraction_of_read_bandwidth": round(step_gbs / read_gbs, 3)}
     if cfg.repeats > 1:
         result["methods_first_pass"] = aggregate([r for r in single if r.get("repeat", 0) == 0], order, greedy)
-    write_json(out, result)
-    partial.unlink(missing_ok=True)
     return result
 
 

@@ -21,7 +21,8 @@ from .loading import load_target
 from .methods import METHODS, MethodOptions, get_method, load_head, make_runner, shipped_head
 from .ngram import build_ngram
 from .regenerate import regenerate
-from .train import TrainConfig, evaluate_head, train_head
+from .config import TrainConfig
+from .train import evaluate_head, train_head
 
 
 def add_fields(p: argparse.ArgumentParser, cls, skip=(), rename: dict | None = None, helps: dict | None = None) -> None:

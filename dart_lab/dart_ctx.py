@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .budget import copy_cap, expected_copy_tokens, interpolate
+from .cost import copy_cap, expected_copy_tokens, interpolate
 from .drafters import CopyIndex, DartDrafter, copy_match
 from .generate import Drafter
+from .policy import DraftPolicy, register
 from .ngram import LocalNGram, NGram
 from .search import TreeSearchConfig, topk_levels, tree_search_with_paths
 from .tree import Tree
@@ -34,7 +35,7 @@ class ContextConfig:
         trial), starting from the prior `copy_p` worth `copy_prior_weight` trials: a text that is
         being copied earns its copies a high score, a free answer stops paying for them. The rate is
         kept per length n of the matched suffix (n = 1, 2, ..., `copy_match_buckets`, longer matches
-        pooled): a copy found by a long match is far more often right (experiments/dart_ctx/copy_match_stats.py on
+        pooled): a copy found by a long match is far more often right (docs/dart_ctx.md, on
         the target's greedy answers, first copy token kept: 0.15 / 0.37 / 0.62 / 0.86 for n = 1 / 2 / 3 /
         4+ on MT-bench, 0.26 / 0.55 / 0.65 / 0.84 on copy_edit), so it earns a deeper chain and
         copy-only steps, a one-token match a short one or a tree step. Each bucket starts from the
@@ -350,7 +351,7 @@ class ContextDrafter(DartDrafter):
 class CopyOrAR(Drafter):
     """dart-ctx when the automatic budget finds no tree that beats AR: no head forward, no search; each
     step verifies the copy chain alone, cut to the length that gives the most expected tokens per ms by
-    the cost curve (`budget.copy_cap`: E_copy = 1 + sum_{i<=L} p^i tokens in verify(L + 1) ms against 1
+    the cost curve (`cost.copy_cap`: E_copy = 1 + sum_{i<=L} p^i tokens in verify(L + 1) ms against 1
     token in verify(1) ms), else the root alone (an AR step). So the copies that pay still run where the
     head does not. The copy bookkeeping (p per match length, the history) is the ContextDrafter's, and a
     copy not proposed is scored too (one trial: the token the AR step produced), so p keeps following the
@@ -381,3 +382,27 @@ class CopyOrAR(Drafter):
 
     def config(self) -> dict:
         return {**self.drafter.config(), "without_tree": "copy or AR"}
+
+
+class ContextPolicy(DraftPolicy):
+    """dart-ctx's drafting policy: it decides per step between a tree, a copy and AR, from the budget's cost model
+    (`ContextDrafter.set_cost_model`), falls back to copies rather than plain AR, and keeps greedy theta at the
+    calibration's while copy-only steps are on (`adapts_budget`)."""
+
+    def adapts(self, sampled: bool) -> bool:
+        return True if sampled else self.drafter.adapts_budget
+
+    def wants_head(self, ids: list[int]) -> bool:
+        return self.drafter.wants_head(ids)
+
+    def set_cost_model(self, verify_ms, overhead_ms, tau) -> None:
+        self.drafter.set_cost_model(verify_ms, overhead_ms, tau)
+
+    def without_tree(self, verify_ms):
+        return self.drafter.without_tree(verify_ms)
+
+    def copy_offer(self, ids: list[int]) -> tuple[list[int], float]:
+        return self.drafter.copy_offer(ids)
+
+
+register(ContextDrafter, ContextPolicy)

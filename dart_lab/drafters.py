@@ -16,57 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import fast
 from .errors import DartLabError
-from .engine.int4 import PackedProjection, pack_linears
 from .generate import Drafter
 from .search import TreeSearchConfig, topk_levels, tree_search, tree_search_batch
 from .target import Target, sync
 from .tree import Tree, best_closed_tree
-
-
-class _Q8Forward:
-    """x -> the outputs of `mods` through their 8-bit copy `q8` (`q4.q8_linear`); while autograd records (training
-    the head), the modules' own weights."""
-
-    def __init__(self, q8, *mods: torch.nn.Linear):
-        self.q8, self.mods = q8, mods
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and any(m.weight.requires_grad for m in self.mods):
-            ys = [torch.nn.functional.linear(x, m.weight, m.bias) for m in self.mods]
-            return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
-        return self.q8(x)
-
-
-def linears_in_8bit(head) -> bool:
-    """Every linear of a draft head through an 8-bit grid of its weights on our kernels (`q4.q8_linear`; q|k|v
-    and gate|up fused): a draft forward reads ~1 byte a weight instead of bf16's 2. The head's own weights stay
-    as they are. False, and the head unchanged, where the kernel is absent or a shape does not fit."""
-    from .engine.q4 import q8_linear
-
-    lay = head.midlayer
-    att, mlp = lay.self_attn, lay.mlp
-    fused = {"qkv": (att.q_proj, att.k_proj, att.v_proj), "gate_up": (mlp.gate_proj, mlp.up_proj)}
-    singles = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
-    built = {id(m): q8_linear(m) for m in singles}
-    both = {k: q8_linear(*mods) for k, mods in fused.items()}
-    if any(q is None for q in [*built.values(), *both.values()]):
-        return False
-    for m in singles:
-        m.forward = _Q8Forward(built[id(m)], m)
-    att.qkv, mlp.gate_up = _Q8Forward(both["qkv"], *fused["qkv"]), _Q8Forward(both["gate_up"], *fused["gate_up"])
-    head.linears_8bit = True
-    return True
-
-
-def dense_linears(head) -> None:
-    """Undo `linears_in_8bit` and any packing: every linear computes from the head's weights again (a drafter
-    made next packs them)."""
-    for m in head.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.__dict__.pop("forward", None)
-    head.midlayer.self_attn.qkv = head.midlayer.mlp.gate_up = None
-    head.linears_8bit = False
 
 
 class HeadDrafter(Drafter):
@@ -79,11 +34,7 @@ class HeadDrafter(Drafter):
         super().__init__()
         self.head = head
         self.vocab_map = head.draft_to_target()
-        if not getattr(head, "linears_8bit", False):  # else `linears_in_8bit` set every linear's path
-            pack_linears(head)  # CPU inference: oneDNN-packed weights (a faster head forward, docs/speed.md)
-            lay = head.midlayer  # and q|k|v, gate|up as one matmul each (fewer small-M calls: ~0.1 ms a draft)
-            lay.self_attn.qkv = PackedProjection(lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj)
-            lay.mlp.gate_up = PackedProjection(lay.mlp.gate_proj, lay.mlp.up_proj)
+        fast.call("pack_head", head)  # the engine's packed weights for inference, where it runs (engine/head.py)
 
     def begin(self, target, ids, aux):
         self.eos = target.eos_ids
@@ -166,9 +117,6 @@ class DartDrafter(HeadDrafter):
         logits, kv = self.head(aux, nxt, positions, past_kv=self.kv, n_masks=m)
         self.keep_prefix_kv(kv)
         return logits[0]
-
-    def wants_head(self, ids) -> bool:
-        return True
 
     def propose(self, ids, logits: torch.Tensor | None = None):
         """The tree for this step; `logits` = this drafter's `draft_logits()` computed in a batch."""
@@ -396,6 +344,24 @@ class Eagle3TreeConfig:
     topk: int = 10
 
 
+def _frontier_mask(frontier: list[int], parents: list[int], processed: list[int], P: int, dev) -> torch.Tensor:
+    """EAGLE-3's tree-level attention mask (F, P + len(processed) + F): each frontier node sees the committed prefix
+    (P positions), its processed ancestors and itself."""
+    F = len(frontier)
+    anc = []
+    for i in frontier:
+        a, j = set(), parents[i]
+        while j > 0:
+            a.add(j)
+            j = parents[j]
+        anc.append([p in a for p in processed])
+    mask = torch.ones(F, P + len(processed) + F, dtype=torch.bool, device=dev)
+    if processed:
+        mask[:, P:P + len(processed)] = torch.tensor(anc, device=dev)
+    mask[:, P + len(processed):] = torch.eye(F, dtype=torch.bool, device=dev)
+    return mask
+
+
 class Eagle3Drafter(HeadDrafter):
     """EAGLE-2/3 dynamic tree, counted as the released builder counts (paper/METHOD.md "EAGLE-3 baseline"):
     one head forward from the root gives its `topk` children; then `depth` more forwards, each
@@ -421,9 +387,6 @@ class Eagle3Drafter(HeadDrafter):
         ancestors (scores never rise along a path), so levels deeper than `nodes` cannot make the cut
         and their forwards are skipped (exact: the same tree)."""
         return min(self.tree_cfg.depth, max(nodes - 1, 0))
-
-    def draft_cost_scale(self, nodes: int, widest: int) -> float:
-        return (1 + self.head_forwards(nodes)) / (1 + self.head_forwards(widest))  # head forwards dominate
 
     def _topk(self, logits: torch.Tensor, k: int):
         lp = torch.log_softmax(logits.float(), dim=-1)
@@ -451,22 +414,10 @@ class Eagle3Drafter(HeadDrafter):
         parent_hidden = {i: h[0, -1] for i in frontier}  # hidden that produced node i's distribution
         tree_k, tree_v, processed = [], [], []  # K/V of draft-tree nodes already run through the head
         for d in range(1, self.head_forwards(cfg.total_tokens - 1) + 1):
-            F = len(frontier)
             hid = torch.stack([parent_hidden[i] for i in frontier])[None]
             tk = torch.tensor([tokens[i] for i in frontier], device=dev)[None]
             pos = torch.tensor([P - 1 + depth[i] for i in frontier], device=dev)
-            # each frontier node sees the committed prefix, its processed ancestors and itself
-            anc = []
-            for i in frontier:
-                a, j = set(), parents[i]
-                while j > 0:
-                    a.add(j)
-                    j = parents[j]
-                anc.append([p in a for p in processed])
-            mask = torch.ones(F, P + len(processed) + F, dtype=torch.bool, device=dev)
-            if processed:
-                mask[:, P:P + len(processed)] = torch.tensor(anc, device=dev)
-            mask[:, P + len(processed):] = torch.eye(F, dtype=torch.bool, device=dev)
+            mask = _frontier_mask(frontier, parents, processed, P, dev)
             past = self.kv if not processed else (torch.cat([self.kv[0]] + tree_k, -2), torch.cat([self.kv[1]] + tree_v, -2))
             logits, h, kv = head(hid, tk, pos, past_kv=past, attn_mask=mask, from_target=False)
             tree_k.append(kv[0])

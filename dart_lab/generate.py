@@ -13,10 +13,9 @@ import torch
 from . import fast
 from .config import GenerationConfig
 from .errors import DartLabError
-from .target import Target, sync
+from .target import ONE_SEQUENCE, Target, log_step, sync
 from .tree import Tree
 from .acceptance import accept, greedy_accept, sample_token, target_probs
-from .budget import ONE_SEQUENCE, log_step
 
 
 class Drafter:
@@ -29,15 +28,11 @@ class Drafter:
                               "copy_only": True for a step that skipped its head, dart-ctx).
     observe(ids, aux):        after acceptance; ids = all tokens so far (new root last),
                               aux = (k+1, 3H) aux states of the accepted nodes (root first).
+    What the tree budget and a batch ask beyond these is the drafter's policy (policy.py).
     """
 
     name = "ar"
     needs_aux = False
-    # The automatic budget re-chooses theta from the steps this drafter decodes (methods.Runner); False
-    # keeps the calibration's theta (a drafter that picks which steps get a tree would bias the estimate).
-    adapts_budget = True
-    adapts_budget_sampled = True  # the same for sampling's theta (T > 0), chosen from sampled steps
-
     def __init__(self) -> None:
         self.last_timing: dict = {}
 
@@ -49,30 +44,6 @@ class Drafter:
 
     def observe(self, ids: list[int], aux: torch.Tensor | None) -> None:
         pass
-
-    def wants_head(self, ids: list[int]) -> bool:
-        """Batches (batch.py): whether this step's `propose(ids)` runs a DART head forward, which a batch
-        runs once for all such rows (`drafters.draft_logits_batch`) and hands in as `propose(ids, logits)`."""
-        return False
-
-    def draft_cost_scale(self, nodes: int, widest: int) -> float:
-        """Drafting + search time with a budget of `nodes`, as a fraction of its time at `widest`
-        (the calibration budget); the automatic budget (methods.Runner) prices each theta with it."""
-        return 1.0
-
-    def set_cost_model(self, verify_ms: dict[int, float], overhead_ms: float, tau: list[float]) -> None:
-        """The automatic budget's measurements (methods.Runner), for drafters that decide per step:
-        verify ms by tree size, drafting + search ms per step, tau(theta) of the drafter's trees."""
-
-    def without_tree(self, verify_ms: dict[int, float]) -> "Drafter | None":
-        """What runs when the automatic budget finds that no tree beats AR (methods.Runner): None =
-        plain AR steps; a drafter that can draft without its head may return a drafter doing that."""
-        return None
-
-    def copy_offer(self, ids: list[int]) -> tuple[list[int], float]:
-        """A step without a tree in a batch (theta 0, several rows; batch.generate_batch): a chain this
-        drafter would verify alone and the chance each of its tokens is kept; ([], 0.0) = none."""
-        return [], 0.0
 
     def config(self) -> dict:
         return {"name": self.name}
@@ -152,6 +123,27 @@ def count_new_tokens(new: list[int], target: Target, cfg: GenerationConfig) -> l
     return new
 
 
+def _stop_reason(emitted: list[int], new: list[int], target: Target, cfg: GenerationConfig) -> str | None:
+    """Why decoding stops before the next step (an EOS among the tokens just emitted, max_new_tokens reached, the
+    context full), or None."""
+    if cfg.stop_on_eos and any(t in target.eos_ids for t in emitted):
+        return "eos"
+    if len(new) >= cfg.max_new_tokens:
+        return "max_new_tokens"
+    if target.seq_len + 1 >= target.max_context:
+        return "context"
+    return None
+
+
+def _step_record(tree: Tree, path: list[int], timing: dict, propose_ms: float, verify_ms: float) -> dict:
+    """One verify step as `GenerationResult.steps` records it: accepted length, tree size, the accepted nodes'
+    ranks (what the budget's tau(theta) is measured from), the drafter's timings and the step's."""
+    return {"accept_len": len(path) - 1, "tree_size": len(tree),
+            **({"path_ranks": tree.ranks[path[1:]].tolist()} if tree.ranks is not None else {}),
+            "draft_ms": timing.get("draft_ms", 0.0), "search_ms": timing.get("search_ms", 0.0),
+            "propose_ms": propose_ms, "verify_ms": verify_ms, **({"copy_only": True} if timing.get("copy_only") else {})}
+
+
 @torch.no_grad()
 def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
              cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
@@ -167,22 +159,14 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
     out = target.prefill(prompt_ids, want_aux=drafter.needs_aux, all_logits=False)
     first = _first_token(out.logits[-1], cfg, gen)
     ids = prompt_ids.tolist() + [first]
-    new = [first]
+    new, emitted = [first], [first]
     margins = _margins(out.logits[-1:])
     drafter.begin(target, ids, out.aux)
     sync(dev)
     t1 = time.perf_counter()
 
-    steps, stop = [], "max_new_tokens"
-    while True:
-        if cfg.stop_on_eos and new[-1] in target.eos_ids:
-            stop = "eos"
-            break
-        if len(new) >= cfg.max_new_tokens:
-            break
-        if target.seq_len + 1 >= target.max_context:
-            stop = "context"
-            break
+    steps = []
+    while (stop := _stop_reason(emitted, new, target, cfg)) is None:
         # 1. draft: the drafter proposes a tree rooted at the last token
         ta = time.perf_counter()
         drafter.last_timing = {}
@@ -209,16 +193,8 @@ def generate(target: Target, prompt_ids, drafter: Drafter | None = None,
         drafter.observe(ids, vo.aux[path] if vo.aux is not None else None)
         sync(dev)
         tc = time.perf_counter()
-        timing = drafter.last_timing
-        steps.append({"accept_len": len(path) - 1, "tree_size": len(tree),
-                      **({"path_ranks": tree.ranks[path[1:]].tolist()} if tree.ranks is not None else {}),
-                      "draft_ms": timing.get("draft_ms", 0.0), "search_ms": timing.get("search_ms", 0.0),
-                      "propose_ms": (tb - ta) * 1e3, "verify_ms": (tc - tb) * 1e3,
-                      **({"copy_only": True} if timing.get("copy_only") else {})})
+        steps.append(_step_record(tree, path, drafter.last_timing, (tb - ta) * 1e3, (tc - tb) * 1e3))
         log_step(target, ONE_SEQUENCE, len(tree), steps[-1]["verify_ms"], context)  # what the budget prices
-        if cfg.stop_on_eos and any(t in target.eos_ids for t in emitted):
-            stop = "eos"
-            break
     t2 = time.perf_counter()
 
     new = count_new_tokens(new, target, cfg)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from . import hub
 from .assets import EMBEDDED_FILES, cache_dir, embedded_file
 from .atomic import atomic_dir
-from .budget import say, measure_verify
+from .measure import say, measure_verify
 from .errors import DartLabError
 from .engine.runner import FastTarget, unsupported_reason
 from .engine.int4 import can_int4
@@ -83,12 +83,70 @@ def speculation_prior(n: int) -> float:
     return 1.0 + 0.5 * math.log2(n)
 
 
+def _predicted(curve: dict[int, float], sizes) -> tuple[float, float]:
+    """(AR, speculation) tokens per second from a dtype's verify curve."""
+    return 1e3 / curve[sizes[0]], max(1e3 * speculation_prior(n) / curve[n] for n in sizes)
+
+
+def _score(best: dict, dt, sizes) -> float:
+    """The geometric mean of dt's predicted AR and speculation speedups over fp32."""
+    (ar, spec), (ar0, spec0) = _predicted(best[dt], sizes), _predicted(best[torch.float32], sizes)
+    return math.sqrt(ar / ar0 * spec / spec0)
+
+
+def _time_dtypes(target: Target, order: list, sizes, rounds: int, exact: dict, probe_ids, ref) -> tuple[dict, dict]:
+    """`choose_dtype`'s timing: each dtype's fastest verify ms per size over `rounds` interleaved rounds (after the
+    first, only fp32 and those within 2x of the best score), and its decoding argmax agreement with fp32's."""
+    agree: dict = {}
+    best: dict = {}
+    timed = order
+    for r in range(rounds):
+        for dt in (order if r % 2 == 0 else order[::-1]):
+            if dt not in timed:
+                continue
+            say(f"choosing the dtype (once per load): timing {_name(dt)} at {list(sizes)} nodes, round {r + 1} of {rounds}")
+            try:
+                use_dtype(target, dt, exact)
+                ms = measure_verify(target, sizes, repeats=2, prompt_len=64)
+            except RuntimeError:  # an arithmetic this CPU cannot run
+                continue
+            best[dt] = {n: min(v, best.get(dt, {}).get(n, v)) for n, v in ms.items()}
+            if dt not in agree:
+                agree[dt] = 1.0 if ref is None or dt == torch.float32 else \
+                    (_decoding_argmax(target, probe_ids) == ref).float().mean().item()
+        top = max(_score(best, dt, sizes) for dt in best)  # only the contenders again (fp16: several times slower on most CPUs)
+        timed = [dt for dt in best if dt == torch.float32 or _score(best, dt, sizes) >= 0.5 * top]
+    return best, agree
+
+
+def _pick_dtype(order: list, best: dict, agree: dict, sizes, probed: bool, report: dict):
+    """`choose_dtype`'s rule over the timings (each dtype's figures written into `report`): the best score if it
+    is >= 1.03x fp32's and the argmax agrees on >= 90 % of the probe, else fp32."""
+    choice, choice_score = torch.float32, 1.0
+    for dt in order:
+        if dt not in best:
+            continue
+        name = _name(dt)
+        report[f"{name}_verify_ms"] = {n: round(v, 2) for n, v in best[dt].items()}
+        ar, spec = _predicted(best[dt], sizes)
+        report[f"{name}_predicted_tokens_per_s"] = {"ar": round(ar, 2), "speculation": round(spec, 2)}
+        if dt == torch.float32:
+            continue
+        score = _score(best, dt, sizes)
+        report[f"{name}_speedup"] = round(score, 3)
+        if probed:
+            report[f"{name}_argmax_agreement"] = round(agree[dt], 3)
+        if score >= 1.03 and score > choice_score and agree[dt] >= 0.9:
+            choice, choice_score = dt, score
+    return choice
+
+
 def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1, 4, 16),
                  rounds: int = 3, int4: bool = True) -> tuple:
     """dtype="auto": the arithmetic that decodes fastest here, decided by timing the shapes decoding runs.
 
     On CUDA bf16 (fp16 if bf16 is unsupported) is standard. Elsewhere the target's own runner times a tree
-    verify at each of `sizes` (one token, and trees of the sizes a CPU budget picks; budget.measure_verify)
+    verify at each of `sizes` (one token, and trees of the sizes a CPU budget picks; measure.measure_verify)
     in fp32, each half type and (fast runner, CPU, `int4`) 4-bit weight-only matmuls, `rounds` times
     interleaved (the order reversed every round; each keeps its fastest reading per size: one after the
     other, a host whose speed drifts picked fp32 in one process and bf16 in the next); after the first
@@ -115,52 +173,8 @@ def choose_dtype(target: Target, probe_ids: torch.Tensor | None = None, sizes=(1
         order.append(INT4)
     use_dtype(target, torch.float32, exact)
     ref = _decoding_argmax(target, probe_ids) if probe_ids is not None else None
-    agree: dict = {}
-    best: dict = {}
-
-    def predicted(dt) -> tuple[float, float]:
-        """(AR, speculation) tokens per second from dt's curve."""
-        curve = best[dt]
-        return 1e3 / curve[sizes[0]], max(1e3 * speculation_prior(n) / curve[n] for n in sizes)
-
-    def score(dt) -> float:
-        """The geometric mean of dt's predicted AR and speculation speedups over fp32."""
-        (ar, spec), (ar0, spec0) = predicted(dt), predicted(torch.float32)
-        return math.sqrt(ar / ar0 * spec / spec0)
-
-    timed = order
-    for r in range(rounds):
-        for dt in (order if r % 2 == 0 else order[::-1]):
-            if dt not in timed:
-                continue
-            say(f"choosing the dtype (once per load): timing {_name(dt)} at {list(sizes)} nodes, round {r + 1} of {rounds}")
-            try:
-                use_dtype(target, dt, exact)
-                ms = measure_verify(target, sizes, repeats=2, prompt_len=64)
-            except RuntimeError:  # an arithmetic this CPU cannot run
-                continue
-            best[dt] = {n: min(v, best.get(dt, {}).get(n, v)) for n, v in ms.items()}
-            if dt not in agree:
-                agree[dt] = 1.0 if ref is None or dt == torch.float32 else \
-                    (_decoding_argmax(target, probe_ids) == ref).float().mean().item()
-        top = max(score(dt) for dt in best)  # only the contenders again (fp16: several times slower on most CPUs)
-        timed = [dt for dt in best if dt == torch.float32 or score(dt) >= 0.5 * top]
-
-    choice, choice_score = torch.float32, 1.0
-    for dt in order:
-        if dt not in best:
-            continue
-        name = _name(dt)
-        report[f"{name}_verify_ms"] = {n: round(v, 2) for n, v in best[dt].items()}
-        ar, spec = predicted(dt)
-        report[f"{name}_predicted_tokens_per_s"] = {"ar": round(ar, 2), "speculation": round(spec, 2)}
-        if dt == torch.float32:
-            continue
-        report[f"{name}_speedup"] = round(score(dt), 3)
-        if ref is not None:
-            report[f"{name}_argmax_agreement"] = round(agree[dt], 3)
-        if score(dt) >= 1.03 and score(dt) > choice_score and agree[dt] >= 0.9:
-            choice, choice_score = dt, score(dt)
+    best, agree = _time_dtypes(target, order, sizes, rounds, exact, probe_ids, ref)
+    choice = _pick_dtype(order, best, agree, sizes, ref is not None, report)
     use_dtype(target, choice, exact)
     report["choice"] = INT4 if choice == INT4 else str(choice)
     return choice, report

@@ -16,7 +16,8 @@ import torch
 
 from . import hub
 from .engine.batch import BatchResult, generate_batch, hf_generate_batch
-from .budget import BudgetConfig, BudgetController
+from .config import BudgetConfig
+from .budget import BudgetController
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
 from .dart_ctx import ContextConfig, ContextDrafter
@@ -120,7 +121,7 @@ def fastest_head_dtype(target, head, min_gain: float = 1.1, repeats: int = 7):
     way). Elsewhere, or slower: the head unchanged, its weights exact. `head.chosen_dtype` records the choice and
     every timing."""
     from .budget import head_forward_ms
-    from .drafters import dense_linears, linears_in_8bit
+    from .engine.head import dense_linears, linears_in_8bit
     from .engine.int4 import can_pack
 
     w = head.fc.weight
@@ -289,9 +290,9 @@ class Runner:
             budget, curve = self.controller.plan(len(prompt_ids), sampled, cfg.max_new_tokens)
         drafter = self.drafter
         if budget is not None and budget.get("probe", False):  # in fallback: a few steps with the best tree
-            drafter = Probe(self.drafter, self.controller.cfg.fallback_probe_steps, self.drafter.without_tree(curve))
+            drafter = Probe(self.drafter, self.controller.cfg.fallback_probe_steps, self.controller.policy.without_tree(curve))
         elif budget is not None and budget["fallback_to_ar"]:
-            drafter = self.drafter.without_tree(curve)
+            drafter = self.controller.policy.without_tree(curve)
         res = generate(self.target, prompt_ids, drafter, cfg)
         res.method = self.name
         if budget is not None:

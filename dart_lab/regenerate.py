@@ -63,6 +63,38 @@ def _write_jsonl(rows: list[dict], path: Path) -> None:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
+def _conversations(src, num: int, max_turns: int, max_prompt_tokens: int, tok_len) -> list[tuple[str, list[str]]]:
+    """The first `num` records of `src` with a user turn whose first fits `max_prompt_tokens` (room left for the
+    answer): (id, user turns) each."""
+    convs = []
+    for i, rec in enumerate(src):
+        users = _user_turns(rec, max_turns)
+        if users and tok_len(users[0]) <= max_prompt_tokens:
+            convs.append((str(rec.get("id", i)), users))
+        if len(convs) >= num:
+            break
+    return convs
+
+
+def _regenerate_chunk(target, part, max_turns: int, max_new_tokens: int, temperature: float, batch_size: int,
+                      max_prompt_tokens: int, tok_len) -> list[dict]:
+    """One chunk's conversations answered turn by turn by the target, as ShareGPT rows."""
+    hist = [[] for _ in part]
+    for t in range(max_turns):
+        live = [j for j, (_, users) in enumerate(part) if t < len(users)]
+        for j in live:
+            hist[j].append({"role": "user", "content": part[j][1][t]})
+        live.sort(key=lambda j: tok_len(part[j][1][t]))  # similar lengths share a batch: less padding
+        for b in range(0, len(live), batch_size):
+            js = live[b:b + batch_size]
+            for j, text in zip(js, _generate_batch(target, [hist[j] for j in js], max_new_tokens, temperature,
+                                                   max_prompt_tokens)):
+                hist[j].append({"role": "assistant", "content": text})
+    return [{"id": cid, "regenerated_by": target.name,
+             "conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in h]}
+            for (cid, _), h in zip(part, hist)]
+
+
 def regenerate(target, out_dir: str | Path, num: int, skip: int = 0, max_turns: int = 1, max_new_tokens: int = 256,
                temperature: float = 0.0, batch_size: int = 16, chunk_size: int = 64, seed: int = 0,
                max_prompt_tokens: int = 384, records=None, progress: bool = True) -> Path:
@@ -88,13 +120,7 @@ def regenerate(target, out_dir: str | Path, num: int, skip: int = 0, max_turns: 
         return len(target.tokenizer(text)["input_ids"])
 
     src = records if records is not None else (r for i, r in enumerate(iter_sharegpt()) if i >= skip)
-    convs = []
-    for i, rec in enumerate(src):
-        users = _user_turns(rec, max_turns)
-        if users and tok_len(users[0]) <= max_prompt_tokens:  # room left for the answer in max_len
-            convs.append((str(rec.get("id", i)), users))
-        if len(convs) >= num:
-            break
+    convs = _conversations(src, num, max_turns, max_prompt_tokens, tok_len)
     if not convs:
         raise DartLabError("no conversations with a user turn to regenerate")
     bar = None
@@ -109,20 +135,8 @@ def regenerate(target, out_dir: str | Path, num: int, skip: int = 0, max_turns: 
                 bar.update(len(part))
             continue
         torch.manual_seed(seed * 100_003 + k)
-        hist = [[] for _ in part]
-        for t in range(max_turns):
-            live = [j for j, (_, users) in enumerate(part) if t < len(users)]
-            for j in live:
-                hist[j].append({"role": "user", "content": part[j][1][t]})
-            live.sort(key=lambda j: tok_len(part[j][1][t]))  # similar lengths share a batch: less padding
-            for b in range(0, len(live), batch_size):
-                js = live[b:b + batch_size]
-                for j, text in zip(js, _generate_batch(target, [hist[j] for j in js], max_new_tokens, temperature,
-                                                       max_prompt_tokens)):
-                    hist[j].append({"role": "assistant", "content": text})
-        rows = [{"id": cid, "regenerated_by": target.name,
-                 "conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in h]}
-                for (cid, _), h in zip(part, hist)]
+        rows = _regenerate_chunk(target, part, max_turns, max_new_tokens, temperature, batch_size, max_prompt_tokens,
+                                 tok_len)
         _write_jsonl(rows, path)
         if bar is not None:
             bar.update(len(part))

@@ -286,15 +286,21 @@ def tree_search_batch(logp: np.ndarray, tokens: np.ndarray, contexts: list[list[
         b_ctx = np.stack([b_ctx[parent_entry, 1], tok_l.ravel()[order]], axis=1)
         b_row, b_score = row[order], score[order]
         n_cand += np.bincount(row, minlength=R)
+    return _trees_by_row(blocks, tokens, contexts, cfg.max_nodes)
+
+
+def _trees_by_row(blocks: list, tokens: np.ndarray, contexts: list[list[int]], max_nodes: int) -> list[Tree]:
+    """`tree_search_batch`'s last cut: each row's candidates (from every level's flat block of (row, parent,
+    score, level, top-k rank)) in level order, as the per-row search lists them, kept as its best closed tree."""
     if not blocks:
         return [Tree.single(c[-1]) for c in contexts]
     row, par, score, lvl, col = (np.concatenate(x) for x in zip(*blocks))
-    by_row = np.argsort(row, kind="stable")  # each row's candidates in level order, as the per-row list
-    bounds = np.searchsorted(row[by_row], np.arange(R + 1))
+    by_row = np.argsort(row, kind="stable")
+    bounds = np.searchsorted(row[by_row], np.arange(len(contexts) + 1))
     trees = []
-    for r in range(R):
+    for r in range(len(contexts)):
         sel = by_row[bounds[r]:bounds[r + 1]]
         tree, _ = best_closed_tree(contexts[r][-1], tokens[r, lvl[sel], col[sel]], par[sel], score[sel], lvl[sel],
-                                   cfg.max_nodes)
+                                   max_nodes)
         trees.append(tree)
     return trees

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from .version import __version__
 from .bench import BenchConfig, run_bench
-from .budget import cpu_name
+from .measure import cpu_name
 from .loading import load_target
 from .methods import get_method
 from .presets import get_preset

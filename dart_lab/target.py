@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from .config import BudgetConfig
 from .errors import DartLabError
 from .tree import Tree
 
@@ -30,6 +31,26 @@ def sync(device: torch.device) -> None:
     """Wait for queued device work, so wall-clock timings mean something on a GPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+ONE_SEQUENCE = 0  # `step_log`'s row count for the steps of `generate.generate` (one sequence, its own runner)
+# Every decoded step is logged on its target (`log_step`): what the tree budget prices trees by
+# (`measure.observed_curve`), whichever method decoded it
+
+
+def step_kind(target, rows: int) -> tuple:
+    """`step_log`'s key for steps of `rows` rows (ONE_SEQUENCE: the single-sequence loop) without the nodes:
+    the arithmetic and compilation too (another dtype is another machine)."""
+    return (target.precision, bool(getattr(target, "compile", False)), rows)
+
+
+def log_step(target, rows: int, nodes: int, ms: float, context: int,
+             memory: int = BudgetConfig.observed_memory) -> None:
+    """Record one decoded step on the target's `step_log`: `rows` live rows of a batch (or ONE_SEQUENCE),
+    `nodes` per row after padding, `context` cached positions it attended over, `ms` what it took."""
+    log = target.step_log.setdefault(step_kind(target, rows) + (nodes,), [])
+    log.append((ms, context))
+    del log[:-memory]
 
 
 @dataclass
@@ -81,7 +102,7 @@ class Target:
         self._prefilled = False
         self.runner = "hf"  # the public-forward runner (runner.FastTarget is the lean one)
         # verify ms of the batched steps decoded on this target, by (arithmetic, compiled, rows, nodes per
-        # row): what the machine did while decoding, read by the batch budget (budget.observed_curve)
+        # row): what the machine did while decoding, read by the batch budget (measure.observed_curve)
         self.step_log: dict = {}
 
     @property
@@ -98,6 +119,11 @@ class Target:
         return "int4" if self.weights == "int4" else str(self.dtype)
 
     # -- prompts
+    def cost_key(self) -> dict:
+        """What this runner adds to the cache key of its measured verify cost (`measure.fingerprint`): the public
+        forward runs torch's kernels only, so nothing (the lean runner adds its kernels' build and 4-bit paths)."""
+        return {}
+
     def encode_prompt(self, text: str, chat: bool = True) -> torch.Tensor:
         """(T,) prompt ids; applies the chat template when the tokenizer has one."""
         if not isinstance(text, str) or not text.strip():

@@ -82,7 +82,7 @@ def embedded_in():
 
 # the fast tier (`make test-fast`, `pytest -m "not slow"`): unit tests on tiny models. Slow: everything on
 # the embedded target, and the modules that run commands, notebooks, training or a browser.
-SLOW_MODULES = {"test_browser", "test_reproduce", "test_embedded", "test_gpu_check", "test_copy_head_oracle",
+SLOW_MODULES = {"test_browser", "test_reproduce", "test_embedded",
                 "test_train", "test_errors", "test_conformance"}
 SLOW_FIXTURES = {"embedded", "embedded_in"}
 

@@ -9,7 +9,8 @@ from drafters_for_tests import OracleDrafter, RandomDrafter
 from test_drafters import all_drafters
 from test_generate import chi2_pvalue, exact_two_token_law
 from dart_lab import GenerationConfig, generate
-from dart_lab.engine.batch import BatchTarget, generate_batch
+from dart_lab.engine.batch_target import BatchTarget
+from dart_lab.engine.batch import generate_batch
 from dart_lab.tree import Tree
 
 LENGTHS = (3, 11, 6, 20, 9, 4, 15, 7)
@@ -269,7 +270,8 @@ def test_a_greedy_batch_step_accepts_and_records_margins_as_each_row_alone():
     (one copy to the host per step): the same paths, bonus tokens and near-tie margins as `accept` and `_margins`
     per row, greedy and sampled (the same generator draws)."""
     from dart_lab.acceptance import accept
-    from dart_lab.engine.batch import BatchOutput, _accept
+    from dart_lab.engine.batch_target import BatchOutput
+    from dart_lab.engine.batch import _accept
     from dart_lab.generate import _margins, make_generator
 
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,9 @@ import torch
 
 from conftest import tiny_target
 from dart_lab import GenerationConfig, generate, greedy_accept
-from dart_lab.budget import BudgetConfig, BudgetController, acceptance_profile, choose_budget, interpolate, overhead_at
+from dart_lab.config import BudgetConfig
+from dart_lab.budget import BudgetController
+from dart_lab.cost import acceptance_profile, choose_budget, interpolate, overhead_at
 from dart_lab.dart_ctx import ContextDrafter
 from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig
 from dart_lab.methods import MethodOptions, Runner, make_drafter, make_runner, random_head
@@ -238,7 +240,7 @@ def test_sampling_gets_its_own_theta_from_its_own_acceptance():
 
 
 def test_cost_curve_is_made_non_decreasing_and_one_noisy_size_moves_no_other():
-    from dart_lab.budget import monotone
+    from dart_lab.cost import monotone
     out = monotone({1: 26.3, 2: 29.7, 4: 27.4, 8: 31.0, 16: 30.5, 32: 54.0})
     assert list(out.values()) == sorted(out.values()) and out[1] == 26.3 and out[32] == 54.0
     assert out[2] == out[4] == pytest.approx((29.7 + 27.4) / 2)  # two sizes out of order with each other: pooled
@@ -293,7 +295,7 @@ def test_ar_fallback_runs_what_the_drafter_does_without_a_tree():
 def test_cost_curve_keeps_the_fastest_of_its_first_measurements(tmp_path, monkeypatch):
     """A curve measured in a slow moment does not stick: the cached curve is measured again at its next
     loads until `cost_measurements` readings were merged (per-size minimum), then served as cached."""
-    from dart_lab import budget
+    from dart_lab import measure as measuring
     monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
     target = tiny_target("llama")
     cfg = BudgetConfig(sizes=(1, 2, 4), repeats=1, cost_measurements=3, prompt_len=100, long_prompt_len=1100)
@@ -305,13 +307,13 @@ def test_cost_curve_keeps_the_fastest_of_its_first_measurements(tmp_path, monkey
             last.update(next(readings))
             return dict(last)
         return {n: ms + n * (prompt_len - 100) / 1000 for n, ms in last.items()}
-    monkeypatch.setattr(budget, "measure_verify", measure)
-    first = budget.cost_curve(target, cfg)
+    monkeypatch.setattr(measuring, "measure_verify", measure)
+    first = measuring.cost_curve(target, cfg)
     assert first["verify_ms"] == {1: 9.0, 2: 30.0, 4: 40.0} and first["measurements"] == 1 and not first["cached"]
-    assert budget.cost_curve(target, cfg)["verify_ms"] == {1: 9.0, 2: 11.0, 4: 40.0}
-    third = budget.cost_curve(target, cfg)
+    assert measuring.cost_curve(target, cfg)["verify_ms"] == {1: 9.0, 2: 11.0, 4: 40.0}
+    third = measuring.cost_curve(target, cfg)
     assert third["verify_ms"] == {1: 9.0, 2: 11.0, 4: 13.0} and third["measurements"] == 3
-    served = budget.cost_curve(target, cfg)  # no fourth reading is taken (the iterator is empty)
+    served = measuring.cost_curve(target, cfg)  # no fourth reading is taken (the iterator is empty)
     assert served["cached"] and served["verify_ms"] == third["verify_ms"]
     # the growth per committed token is each size's own (long - short) / 1,000 tokens, from the merged readings
     assert served["context_ms_per_token"] == pytest.approx({1: 0.001, 2: 0.002, 4: 0.004})
@@ -321,22 +323,23 @@ def test_a_compiled_runner_prices_a_tree_at_the_bucket_it_runs_padded_to(tmp_pat
     """Compiled steps pad a tree's nodes to the next node bucket, so 3 nodes cost what 4 do: the cost curve
     of a compiled target is a step function over the buckets (and then a 4th node is free), an eager
     target's is the measured one interpolated."""
-    from dart_lab import budget
+    from dart_lab import cost, measure
+    measuring = measure
     monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
     target = tiny_target("llama")
     cfg = BudgetConfig(sizes=(1, 2, 4, 8, 12), repeats=1, cost_measurements=1, prompt_len=100, long_prompt_len=1100)
-    monkeypatch.setattr(budget, "measure_verify", lambda t, sizes, repeats, n: {
+    monkeypatch.setattr(measuring, "measure_verify", lambda t, sizes, repeats, n: {
         k: 10.0 + k + (n - 100) / 100 * k for k in sizes})
-    eager = budget.cost_curve(target, cfg)
+    eager = measure.cost_curve(target, cfg)
     assert interpolate(eager["verify_ms"], 3) == 13.0
     monkeypatch.setattr(target, "compile", True, raising=False)
     monkeypatch.setattr(target, "node_buckets", (1, 2, 4, 8, 16), raising=False)
     monkeypatch.setattr(target, "key_bucket", None, raising=False)
-    compiled = budget.cost_curve(target, cfg)
+    compiled = measure.cost_curve(target, cfg)
     v = compiled["verify_ms"]
     assert v[3] == v[4] == 14.0 and v[5] == v[8] == 18.0 and v[2] == 12.0 and v[1] == 11.0
     assert v[9] == v[12] == 22.0  # the 16 bucket, past the widest measured size: as measured there
-    assert budget.curve_at(compiled, 1100)[3] == pytest.approx(14.0 + 4 * 10.0)  # context growth: the bucket's too
+    assert cost.curve_at(compiled, 1100)[3] == pytest.approx(14.0 + 4 * 10.0)  # context growth: the bucket's too
     assert choose_budget([1.0, 1.5, 1.6, 1.7], v, 0.0)["theta"] in (1, 3)  # never 2: 3 nodes cost 4's
 
 
@@ -344,7 +347,7 @@ def test_trees_are_priced_at_the_request_context():
     """A long prompt makes every node dearer (attention over the cache): the verify curve at a request's
     context (`curve_at`) grows by each size's per-token cost, and the runner re-chooses theta from it --
     a smaller tree for a long prompt, the same tau(theta)."""
-    from dart_lab.budget import curve_at
+    from dart_lab.cost import curve_at
     cost = {"verify_ms": {1: 10.0, 8: 12.0, 32: 16.0}, "context_ms_per_token": {1: 0.0, 8: 0.04, 32: 0.16},
             "prompt_len": 128}
     assert curve_at(cost, 100) == cost["verify_ms"]
@@ -393,7 +396,7 @@ def test_batch_theta_is_chosen_per_live_rows_from_the_batched_surface(monkeypatc
     """A batch's theta comes from the verify cost at its live-row count: a surface whose trees get dear as
     rows grow gives a tree at 1 row and batched AR at 4, and the decode stays lossless throughout."""
     from dart_lab import GenerationConfig, generate
-    from dart_lab.budget import interpolate_batch
+    from dart_lab.cost import interpolate_batch
 
     target = tiny_target("llama", runner="fast")
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
@@ -424,7 +427,8 @@ def test_a_batch_prices_what_its_shapes_took_when_decoded_not_the_timing_loop(mo
     alone set the curve's level, not its shape (every size scaled alike: trees still pay). Fewer decoded
     steps than `observed_min_steps`, or steps of another arithmetic, leave the surface as timed."""
     from dart_lab import GenerationConfig, generate
-    from dart_lab.budget import interpolate_batch, log_step
+    from dart_lab.cost import interpolate_batch
+    from dart_lab.target import log_step
 
     target = tiny_target("llama", runner="fast")
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
@@ -466,7 +470,8 @@ def test_one_sequence_prices_what_its_steps_took_when_decoded_each_at_its_contex
     context it ran at (steps of other lengths price this request's context). The timing loop read trees as
     cheap as a token (trees pay); decoded one-token steps of 20 ms and 4-node trees of 200 ms make the
     request decode without trees; one-token steps alone set the level, not the shape."""
-    from dart_lab.budget import ONE_SEQUENCE, log_step, observed_curve
+    from dart_lab.measure import observed_curve
+    from dart_lab.target import ONE_SEQUENCE, log_step
 
     target = tiny_target("llama")
     r = make_runner("dart-no-ngram", target, MethodOptions(random_heads=True))
@@ -510,27 +515,27 @@ def test_a_curve_measured_under_load_is_used_but_never_cached(tmp_path, monkeypa
     import sys
     import time
 
-    from dart_lab import budget
+    from dart_lab import measure as measuring
     monkeypatch.setenv("DART_LAB_CACHE", str(tmp_path))
 
     def measure(target, sizes, repeats, prompt_len):  # a measurement that takes time without using the CPU
         time.sleep(0.6)
         return {n: 10.0 + n for n in sizes}
-    monkeypatch.setattr(budget, "measure_verify", measure)
+    monkeypatch.setattr(measuring, "measure_verify", measure)
     target = tiny_target("llama")
     cfg = BudgetConfig(sizes=(1, 2, 4), repeats=1, prompt_len=32, long_prompt_len=64)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.5)
-        hot = budget.cost_curve(target, cfg)
+        hot = measuring.cost_curve(target, cfg)
     finally:
         busy.kill()
         busy.wait()
     assert hot["contended"] and hot["machine_load"]["others_cores"] > 0.5 and hot["verify_ms"][4] == 14.0
     assert not list(tmp_path.rglob("*.json"))
-    calm = budget.cost_curve(target, cfg)
+    calm = measuring.cost_curve(target, cfg)
     assert not calm["contended"] and len(list((tmp_path / "cost").glob("*.json"))) == 1
-    served = budget.cost_curve(target, dataclasses.replace(cfg, cost_measurements=1))
+    served = measuring.cost_curve(target, dataclasses.replace(cfg, cost_measurements=1))
     assert served["cached"] and served["age_s"] >= 0 and served["machine_load"]["contended"] is False
 
 
@@ -557,7 +562,7 @@ def test_copy_cap_prices_the_rows_copies_against_the_steps_width():
     """`copy_cap`: nodes that cost nothing -> verify every row's whole chain; nodes as dear as tokens ->
     no copy (a chain of L emits < L + 1 tokens); in between, the cap gives the most expected tokens per
     ms of every cap tried, and rows without a chain count one token each."""
-    from dart_lab.budget import copy_cap, expected_copy_tokens
+    from dart_lab.cost import copy_cap, expected_copy_tokens
 
     offers = [([4, 5, 6, 7, 8], 0.8), ([], 0.0), ([9, 10], 0.5)]
     flat = {n: 10.0 for n in (1, 2, 4, 8, 16)}
@@ -577,7 +582,7 @@ def test_a_batch_without_trees_verifies_copies_only_where_the_batch_gains(monkey
     cap when nodes cost (almost) nothing, and plain batched AR steps when a node costs a token; lossless
     either way."""
     from dart_lab import GenerationConfig, generate
-    from dart_lab.budget import interpolate_batch
+    from dart_lab.cost import interpolate_batch
 
     target = tiny_target("llama", runner="fast")
     head = random_head(target, "dart")
@@ -610,9 +615,9 @@ def test_one_clock_tick_of_another_process_does_not_make_a_short_window_contende
 
 
 def test_a_change_to_the_4bit_path_invalidates_only_4bit_cost_curves(monkeypatch):
-    """The cost curve's cache key (`budget.fingerprint`): the 4-bit path's own revision is part of an int4
+    """The cost curve's cache key (`measure.fingerprint`): the 4-bit path's own revision is part of an int4
     target's key only, so raising it re-measures int4 curves and leaves dense ones valid."""
-    from dart_lab.budget import fingerprint
+    from dart_lab.measure import fingerprint
     from dart_lab.engine.runner import FastTarget
     dense, packed = tiny_target("llama", runner="fast"), tiny_target("llama", runner="fast")
     packed.weights = "int4"

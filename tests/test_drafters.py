@@ -11,8 +11,8 @@ from conftest import tiny_model, tiny_target
 from dart_lab import DartLabError, GenerationConfig, generate
 from dart_lab.draft_head import DartHead, Eagle3Head, HeadConfig
 from dart_lab.dart_ctx import ContextConfig, ContextDrafter, CopyOrAR
-from dart_lab.drafters import (CopyIndex, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter,
-                               copy_chain, copy_match)
+from dart_lab.policy import policy_for
+from dart_lab.drafters import CopyIndex, DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter, SPSDrafter, copy_chain, copy_match
 from dart_lab.methods import MethodOptions, make_drafter, random_head
 from dart_lab.ngram import NGram
 from dart_lab.search import TreeSearchConfig
@@ -274,7 +274,8 @@ def test_eagle3_skips_the_levels_its_budget_cannot_keep():
         assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
         assert trees[0].parents.tolist() == trees[1].parents.tolist()
     d = Eagle3Drafter(head, Eagle3TreeConfig())
-    assert d.draft_cost_scale(3, 64) == pytest.approx(3 / (1 + d.tree_cfg.depth)) and d.draft_cost_scale(64, 64) == 1.0
+    scale = policy_for(d).cost_scale
+    assert scale(3, 64) == pytest.approx(3 / (1 + d.tree_cfg.depth)) and scale(64, 64) == 1.0
 
 
 def test_context_that_adds_nothing_drafts_exactly_what_dart_drafts():
@@ -510,7 +511,7 @@ def test_without_a_tree_dart_ctx_copies_only_where_a_copy_beats_a_one_token_step
     ar = generate(target, prompt, None, cfg)
     d = ContextDrafter(random_head(target, "dart"), None, TreeSearchConfig(max_nodes=8), ContextConfig(w_context=0.0))
     for curve, copies in (({1: 10.0, 64: 10.0}, True), ({1: 10.0, 64: 640.0}, False)):  # flat / one token per 10 ms
-        fb = d.without_tree(curve)
+        fb = policy_for(d).without_tree(curve)
         assert isinstance(fb, CopyOrAR) and not fb.needs_aux
         res = generate(target, prompt, fb, cfg)
         assert res.tokens == ar.tokens
@@ -519,10 +520,10 @@ def test_without_a_tree_dart_ctx_copies_only_where_a_copy_beats_a_one_token_step
         assert all(s["tree_size"] > 1 for s in copy_steps) and all(s["tree_size"] == 1 for s in res.steps if not s.get("copy_only"))
         if not copies:  # no copy proposed, yet every step that had one scored its first token
             assert 0 < sum(d.copy_trials) <= len(res.steps)
-    sampled = generate(target, prompt, d.without_tree({1: 10.0, 64: 10.0}), GenerationConfig(max_new_tokens=40, temperature=1.0))
+    sampled = generate(target, prompt, policy_for(d).without_tree({1: 10.0, 64: 10.0}), GenerationConfig(max_new_tokens=40, temperature=1.0))
     assert len(sampled.tokens) > 0
-    assert ContextDrafter(random_head(target, "dart"), None, ctx=ContextConfig(copy=False)).without_tree({1: 1.0}) is None
-    assert DartDrafter(random_head(target, "dart")).without_tree({1: 1.0}) is None  # dart: plain AR steps
+    assert policy_for(ContextDrafter(random_head(target, "dart"), None, ctx=ContextConfig(copy=False))).without_tree({1: 1.0}) is None
+    assert policy_for(DartDrafter(random_head(target, "dart"))).without_tree({1: 1.0}) is None  # dart: plain AR steps
 
 
 @pytest.mark.parametrize("kind", ["dart", "eagle3"])
@@ -559,7 +560,7 @@ def test_head_linears_on_an_8bit_grid_and_the_head_dtype_chosen_by_its_speed(mon
     (here a stand-in clock), else fp32 with its weights exact."""
     from dart_lab import budget
     from dart_lab.engine import q4
-    from dart_lab.drafters import dense_linears, linears_in_8bit
+    from dart_lab.engine.head import dense_linears, linears_in_8bit
     from dart_lab.engine.int4 import can_pack
     from dart_lab.methods import fastest_head_dtype
 

@@ -386,7 +386,7 @@ def test_layers_in_one_op_are_the_eager_loop(monkeypatch, tmp_path, arch):
     from dart_lab.engine import attention
     from dart_lab.engine import kernels
     from dart_lab.engine import step
-    from dart_lab.engine.batch import BatchTarget
+    from dart_lab.engine.batch_target import BatchTarget
     if not (q4.available() and attention.available() and kernels.rope_cache_here() and kernels.rms_norm_here()
             and kernels.layers_here()):
         pytest.skip("our kernels are not built here")
@@ -790,7 +790,7 @@ def test_steps_on_either_attention_equal_the_public_forward(monkeypatch, nodes):
     to 16 nodes a row goes through SDPA (only prompts and wider trees)."""
     from conftest import tiny_target
     from dart_lab.engine import attention
-    from dart_lab.engine.batch import BatchTarget
+    from dart_lab.engine.batch_target import BatchTarget
     if nodes and not attention.available():
         pytest.skip(f"our attention kernel is not built here: {attention.reason()}")
     ref, fast = tiny_target("qwen3", runner="hf"), tiny_target("qwen3", runner="fast")

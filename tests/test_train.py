@@ -10,8 +10,9 @@ from conftest import tiny_target
 from dart_lab import DartLabError
 from dart_lab.data import iter_sharegpt
 from dart_lab.features import FeatureDataset, write_features
-from dart_lab.train import (TrainConfig, _kl, acceptance_stats, build_head, dart_block_layout, dart_loss,
-                            eagle3_loss, soft_cross_entropy, teacher_probs, train_head)
+from dart_lab.config import TrainConfig
+from dart_lab.losses import _kl, acceptance_stats, dart_block_layout, dart_loss, eagle3_loss, soft_cross_entropy, teacher_probs
+from dart_lab.train import build_head, train_head
 
 
 def test_kl_of_draft_equal_to_target_is_zero():

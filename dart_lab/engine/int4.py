@@ -288,7 +288,7 @@ def _time_path(name: str, fn, x: torch.Tensor) -> float:
 
 
 # row counts a linear's paths are timed at: a step's nodes (trees, batches); the layers' also a batch's packed
-# prompts (`batch.BatchTarget`), where a path that wins at 256 rows may not at a thousand
+# prompts (`batch_target.BatchTarget`), where a path that wins at 256 rows may not at a thousand
 STEP_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPT_ROWS = STEP_ROWS + (1024,)
 

@@ -4,7 +4,7 @@ CPU; ~10-25 s, then cached by torch, one build per torch version), and only on a
 instruction sets it is written for. Users: `q4.py` (a 4-bit weight-only matmul), `attention.py` (a
 decoding step's attention), `step._rms_norm` (`rms_norm_here`: an eager step's norms),
 `step.decoder_step` (`rope_cache_here`: an eager step's rotation and K/V cache write; `layers_here`:
-its decoder layers in one op), `generate.top2` (`top2_here`: a step's argmax and margins), `batch.BatchTarget.commit`
+its decoder layers in one op), `generate.top2` (`top2_here`: a step's argmax and margins), `batch_target.BatchTarget.commit`
 (`move_slots_here`: its cache compaction), `search._levels` (`search_here`: the tree search's level loop), `ngram.read_trie` (`trie_here`: reading the
 released trie)."""
 from __future__ import annotations

@@ -278,31 +278,3 @@ class Q8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _through(torch.ops.dart_lab.q8mm.default, x, self.b, self.wq, self.sd, self.out_features)
-
-
-def q8_linear(*mods: torch.nn.Linear) -> "Q8Linear | Q4Linear | None":
-    """nn.Linears reading the same input, side by side along their outputs, rounded to an 8-bit grid per group of 32
-    inputs (GGUF Q8_0's rule: the group's scale = its largest |w| / 127, here held in fp16) and run as that grid
-    (`Q8Linear`: one product a weight, x's groups as 16-bit integers; where `pack8` cannot take it, two 4-bit halves
-    on `q4mm`, twice the products): 8 bits a weight read instead of bf16's 16. Another arithmetic, for a draft head
-    (what it drafts moves speed only: the target verifies every token). None where the kernel is absent or a shape
-    does not fit it (outputs a multiple of 16, inputs of 32)."""
-    from .int4 import Int4Linear
-
-    N, K = sum(m.out_features for m in mods), mods[0].in_features
-    if not available() or N % 16 or K % 32:
-        return None
-    q, d, bias = int8_grid(*mods)
-    return Q8Linear.of_grid(q, d, bias) or Q4Linear.of_groups(Int4Linear.halves_of(q, d), bias, halves=2)
-
-
-def int8_grid(*mods: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The weights of `mods` side by side rounded to an 8-bit grid per group of 32 inputs (`q8_linear`'s rule):
-    q (N, K) int32 in -127..127, d (N, K/32, 1) fp16 values as fp32 (w ~ q d), and the biases side by side or None."""
-    w = torch.cat([m.weight.detach().float() for m in mods])
-    N, K = w.shape
-    g = w.reshape(N, K // 32, 32)
-    d = (g.abs().amax(-1, keepdim=True) / 127).clamp_min(2.0 ** -24).to(torch.float16).float()
-    q = (g / d).round().clamp(-127, 127).reshape(N, K).to(torch.int32)
-    bias = None if mods[0].bias is None else torch.cat([m.bias.detach().float() for m in mods])
-    return q, d, bias

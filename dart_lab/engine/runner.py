@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
+from . import q4
 from .attention import available as attention_available, prepare as prepare_attention
 from ..target import Target, TargetOutput
 from ..tree import Tree
@@ -83,10 +85,10 @@ class FastTarget(Target):
     node_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)  # a step of N nodes runs padded to the next of these
     # compiled attention reads exactly the cached keys, their number a symbol in the graph (None), or a
     # multiple of this many slots (one graph per multiple, the padding read too: dearer, and compiling
-    # more; experiments/engine/compiled_ab.py --variant keys)
+    # more; measured in docs/speed.md's table of what was tried)
     key_bucket: int | None = None
     compile_capacity: int = 4096  # cache slots allocated at once when compiling (longer: eager steps)
-    # part of the cost curve's cache key (budget.fingerprint): raised when a change moves verify cost, so
+    # part of the cost curve's cache key (measure.fingerprint): raised when a change moves verify cost, so
     # a curve measured with older code is not reused (2: the additive tree mask; 3: decoder_step, cache
     # writes by index_copy_; 4: fused norms and one-pass rotation for fp32 activations; 5: steps of a few
     # nodes a row on our attention kernel where it measures faster, attention.py; 6: eager fp32 norms on our
@@ -135,6 +137,13 @@ class FastTarget(Target):
         self._int4_packed, self._int4_key, self._int4_rows = None, None, None
         self._kv_views, self._step_graph = None, None
         self.compile_seconds = 0.0  # time spent in first calls of new shapes (compiling), this target's life
+
+    def cost_key(self) -> dict:
+        """`Target.cost_key`: which build of our kernels runs (AVX-512 or AVX2: csrc/vec.h), whether the norms take
+        our one-pass op, and for 4-bit weights the paths' revision and choice and whether our 4-bit kernel runs."""
+        return {"norm_kernel": kernels.rms_norm_here(), "kernel_isa": kernels.isa(),
+                **({"int4_revision": self.int4_revision, "int4_paths": self.int4_paths, "q4_kernel": q4.available()}
+                   if self.precision == "int4" else {})}
 
     @property
     def packs_weights(self) -> bool:
@@ -211,10 +220,10 @@ class FastTarget(Target):
         return self._int4_rows
 
     def _int4_by_rows(self) -> tuple[list, object]:
-        """`int4_by_rows`, its tables cached per machine like a cost curve (`budget.fingerprint`; served only
+        """`int4_by_rows`, its tables cached per machine like a cost curve (`measure.fingerprint`; served only
         when measured on a quiet machine, and a contended measurement is not written)."""
         from ..atomic import write_json
-        from ..budget import cost_file, fingerprint, read_quiet
+        from ..measure import cost_file, fingerprint, read_quiet
         from ..machine import LoadMeter
 
         path, tables = cost_file("int4_paths_", fingerprint(self)), None

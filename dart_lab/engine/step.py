@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
                  segments: list[tuple[int, int]] | None = None,
                  live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Llama-family decoder over N new nodes of B rows: the one home of the layer math, run eagerly
-    by `FastTarget` and `batch.BatchTarget`, and compiled by `StepGraph`.
+    by `FastTarget` and `batch_target.BatchTarget`, and compiled by `StepGraph`.
 
     ids, positions (N,) for one row, or (B, N) for a batch; slots (N,): the cache slots the nodes' K/V
     are written to (the same for every row); caches: per-layer K and V, (B, kv_heads, capacity, head_dim)
@@ -58,7 +59,7 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     its K/V written to slots [0, end - start) of cache row r and each attending causally to its own tokens
     only; the linears run once over all of them (more rows a matmul: a batch's prefill).
     live (a batch): the flat indices into B * N of its real nodes, where the others are pads that see only
-    themselves (`batch.BatchTarget.verify`): the linears skip the pads (their outputs 0; in the layers-in-one-op
+    themselves (`batch_target.BatchTarget.verify`): the linears skip the pads (their outputs 0; in the layers-in-one-op
     path by its rows, eagerly by gathering the real nodes around each linear, which then takes the path of
     that many rows), so a row padded to the step's widest tree costs about what its own tree does.
     """
@@ -70,17 +71,56 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     B, N = ids.shape
     x = inner.embed_tokens(ids)  # (B, N, H)
     rows_cos, rows_sin = inner.rotary_emb(x, positions)  # (B, N, hd)
-    cos, sin = rows_cos[:, None], rows_sin[:, None]  # (B, 1, N, hd)
+    plan = _plan(model, projs, geometry, x, rows_cos, rows_sin, caches, causal, batched, live, B, N)
+    if plan.stack is not None:  # every linear on our 4-bit kernel, attention on ours: the layers in one op, same numbers
+        x, tapped = torch.ops.dart_lab.q4_layers.default(x, *plan.stack, rows_cos, rows_sin, caches[0], caches[1], slots,
+                                                         attn_mask, n_keys, scaling, nh, nkv, list(aux_layers),
+                                                         live if plan.skip else None)
+        taps = dict(zip(aux_layers, tapped))
+    else:
+        taps = {}
+    real = _real_nodes(B, N, live) if plan.skip and plan.stack is None else (lambda f: f)
+    for i, layer in enumerate(inner.layers if plan.stack is None else ()):
+        if i in aux_layers:
+            taps[i] = x
+        qkv, o_proj, gate_up, down = projs[i]
+        heads = real(qkv)(_rms_norm(layer.input_layernorm, x)).view(B, N, nh + 2 * nkv, hd)
+        o = _attention(layer.self_attn, heads, plan, geometry, rows_cos, rows_sin, caches[0][i], caches[1][i], slots,
+                       n_keys, attn_mask, causal, segments)
+        o_bf16 = bf16_path(o_proj, B * N) if o.dtype == torch.bfloat16 and not plan.skip else None
+        if o_bf16 is not None:  # a bf16 prompt's heads straight into the o projection's bf16 copy (no round trip)
+            x = x + o_bf16.raw(o.reshape(B, N, nh * hd)).to(x.dtype)
+        else:
+            x = x + real(o_proj)(o.to(x.dtype).reshape(B, N, nh * hd))
+        x = x + real(_mlp(layer, gate_up, down, plan))(_rms_norm(layer.post_attention_layernorm, x))
+    aux = torch.cat([taps[i] for i in aux_layers], dim=-1)
+    if not batched:
+        return head(_rms_norm(inner.norm, x[0] if rows is None else x[0, rows])).float(), aux[0]
+    h = x.reshape(B * N, -1) if rows is None else x.reshape(B * N, -1)[rows]  # only the rows whose logits are read
+    return head(_rms_norm(inner.norm, h)).float(), aux
+
+
+class _Plan(NamedTuple):
+    fused: bool  # rotation and cache write as one op
+    prompt_rope: bool  # a prompt's rotation as one op
+    fused_mlp: bool  # silu * up as one dispatch
+    skip: bool  # the linears skip a batch's pad nodes
+    mlp_bf16: tuple | None  # the MLP's bf16 copies' paths, or None
+    nodes: int  # real nodes a row
+    prompt_dtype: torch.dtype  # a prompt's attention dtype
+    stack: tuple | None  # the layers-in-one-op arguments, or None
+
+
+def _plan(model, projs, geometry: tuple, x, rows_cos, rows_sin, caches, causal: bool, batched: bool, live, B: int,
+          N: int) -> _Plan:
+    """Which paths `decoder_step` takes for this step, decided once for all layers."""
+    nh, nkv, hd, scaling, qk_norm, aux_layers, attention_dtype = geometry
     # an eager fp32 step on a CPU with our kernel: rotation and cache write as one op (csrc/rope.cpp), the
-    # same arithmetic as the torch ops below; a prompt attends over its own K/V (below), a compiled graph
-    # fuses the torch ops itself
+    # same arithmetic as the torch ops; a prompt attends over its own K/V, a compiled graph fuses the torch ops itself
     rope_op = (not qk_norm and x.dtype == torch.float32 and x.device.type == "cpu"
                and rows_cos.dtype == torch.float32 and rows_cos.is_contiguous() and rows_sin.is_contiguous()
                and not torch.compiler.is_compiling() and kernels.rope_cache_here())
     fused = rope_op and not causal
-    # a prompt's rotation as one op too (csrc/rope.cpp: q, k rotated and v transposed, the same numbers), its own
-    # K/V then written to the cache and attended over below
-    prompt_rope = rope_op and causal
     fused_mlp = (x.device.type == "cpu" and getattr(model.config, "hidden_act", None) in ("silu", "swish")
                  and not torch.compiler.is_compiling() and kernels.rms_norm_here())
     skip = batched and live is not None and live.numel() < B * N and x.device.type == "cpu"
@@ -94,80 +134,77 @@ def decoder_step(model, projs, head, geometry: tuple, ids: torch.Tensor, positio
     stack = (_q4_stack(model, projs, live.numel() if skip else B * N) if fused and fused_mlp
              and attention_dtype == torch.float32 and attention_ours(nh, nkv, hd, nodes, caches[0][0].dtype)
              and kernels.layers_here() else None)
-    if stack is not None:  # every linear on our 4-bit kernel, attention on ours: the layers in one op, same numbers
-        x, tapped = torch.ops.dart_lab.q4_layers.default(x, *stack, rows_cos, rows_sin, caches[0], caches[1], slots,
-                                                         attn_mask, n_keys, scaling, nh, nkv, list(aux_layers),
-                                                         live if skip else None)
-        taps = dict(zip(aux_layers, tapped))
-    else:
-        taps = {}
-    if skip and stack is None:  # the eager layers skip the pads too: each linear over the real nodes only
-        flat = B * N
+    # a prompt's rotation as one op too (csrc/rope.cpp: q, k rotated and v transposed, the same numbers), its own
+    # K/V then written to the cache and attended over
+    return _Plan(fused=fused, prompt_rope=rope_op and causal, fused_mlp=fused_mlp, skip=skip,
+                           mlp_bf16=mlp_bf16, nodes=nodes, prompt_dtype=prompt_dtype, stack=stack)
 
-        def real(f):
-            def run(h):
-                y = f(h.reshape(flat, -1)[live])
-                return y.new_zeros(flat, y.shape[-1]).index_copy_(0, live, y).view(B, N, -1)
-            return run
+
+def _real_nodes(B: int, N: int, live: torch.Tensor):
+    """f -> f over a batch's real nodes only (`live`: flat indices into B * N), its pads' outputs 0: the eager
+    layers skip the pads, each linear taking the path of that many rows."""
+    flat = B * N
+
+    def real(f):
+        def run(h):
+            y = f(h.reshape(flat, -1)[live])
+            return y.new_zeros(flat, y.shape[-1]).index_copy_(0, live, y).view(B, N, -1)
+        return run
+    return real
+
+
+def _attention(att, heads, plan, geometry: tuple, rows_cos, rows_sin, K, V, slots, n_keys: int, attn_mask,
+               causal: bool, segments) -> torch.Tensor:
+    """One layer's attention from its projected heads (B, N, nh + 2 nkv, hd): q and k rotated (and normed: Qwen3),
+    the new K/V written to the cache at `slots` (a packed prompt's into its own row), then attention over the
+    cache (or a prompt over its own K/V). Returns (B, N, nh, hd)."""
+    nh, nkv, hd, scaling, qk_norm, aux_layers, attention_dtype = geometry
+    cos, sin = rows_cos[:, None], rows_sin[:, None]  # (B, 1, N, hd)
+    N = heads.shape[1]
+    if plan.fused and heads.is_contiguous():
+        q = torch.ops.dart_lab.rope_cache(heads, rows_cos, rows_sin, K, V, slots, nh, nkv)
     else:
-        def real(f):
-            return f
-    for i, layer in enumerate(inner.layers if stack is None else ()):
-        if i in aux_layers:
-            taps[i] = x
-        att, (qkv, o_proj, gate_up, down) = layer.self_attn, projs[i]
-        heads = real(qkv)(_rms_norm(layer.input_layernorm, x)).view(B, N, nh + 2 * nkv, hd)
-        K, V = caches[0][i], caches[1][i]
-        if fused and heads.is_contiguous():
-            q = torch.ops.dart_lab.rope_cache(heads, rows_cos, rows_sin, K, V, slots, nh, nkv)
-        else:
-            if prompt_rope and heads.is_contiguous():  # vt: v as (B, kv heads, N, hd)
-                q, k, vt = torch.ops.dart_lab.rope_heads(heads, rows_cos, rows_sin, nh, nkv)
-            elif qk_norm:
-                q, k = _rms_norm(att.q_norm, heads[:, :, :nh]), _rms_norm(att.k_norm, heads[:, :, nh:nh + nkv])
-                q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
-                vt = heads[:, :, nh + nkv:].transpose(1, 2)
-            else:  # q and k side by side in the projection's output: rotated in one pass
-                qk = _rotate(heads[:, :, :nh + nkv].transpose(1, 2), cos, sin)
-                q, k, vt = qk[:, :nh], qk[:, nh:], heads[:, :, nh + nkv:].transpose(1, 2)
-            if segments is None:
-                K.index_copy_(2, slots, k.to(K.dtype))
-                V.index_copy_(2, slots, vt.to(V.dtype))
-            else:  # prompt r into cache row r (copy_ rounds to the cache's dtype as .to does)
-                for r, (s, e) in enumerate(segments):
-                    K[r, :, :e - s].copy_(k[0, :, s:e])
-                    V[r, :, :e - s].copy_(vt[0, :, s:e])
-        if causal:  # a prompt into an empty cache: its own K/V are every key
-            qa, ka, va = q.to(prompt_dtype), k.to(prompt_dtype), vt.to(prompt_dtype)
-            if segments is None:
-                o = attend(qa, ka, va, None, n_keys, scaling, causal).transpose(1, 2)
-            else:  # each prompt's heads written straight into the (1, N, heads, hd) the o projection reads
-                o = torch.empty(1, N, nh, hd, dtype=qa.dtype, device=qa.device)
-                for s, e in segments:
-                    o[0, s:e] = attend(qa[:, :, s:e], ka[:, :, s:e], va[:, :, s:e], None, e - s, scaling, causal)[0].transpose(0, 1)
-        else:
-            o = attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal, nodes).transpose(1, 2)
-        o_bf16 = bf16_path(o_proj, B * N) if o.dtype == torch.bfloat16 and not skip else None
-        if o_bf16 is not None:  # a bf16 prompt's heads straight into the o projection's bf16 copy (no round trip)
-            x = x + o_bf16.raw(o.reshape(B, N, nh * hd)).to(x.dtype)
-        else:
-            x = x + real(o_proj)(o.to(x.dtype).reshape(B, N, nh * hd))
-        h = _rms_norm(layer.post_attention_layernorm, x)
-        if mlp_bf16 is not None:  # both on bf16 copies: silu * up from bf16 to bf16, the same numbers (csrc/norm.cpp)
-            g, d = gate_up.paths[mlp_bf16[0]], down.paths[mlp_bf16[1]]
-            mlp = lambda h: d.raw(torch.ops.dart_lab.silu_mul_bf16.default(g.raw(h.to(torch.bfloat16)))).to(h.dtype)  # noqa: E731
-        elif fused_mlp:  # one dispatch for torch's silu and mul (csrc/norm.cpp)
-            mlp = lambda h: down(torch.ops.dart_lab.silu_mul.default(gate_up(h)))  # noqa: E731
-        else:
-            def mlp(h):
-                gate, up = gate_up(h).chunk(2, dim=-1)
-                return down(layer.mlp.act_fn(gate) * up)
-        x = x + real(mlp)(h)
-    aux = torch.cat([taps[i] for i in aux_layers], dim=-1)
-    if not batched:
-        return head(_rms_norm(inner.norm, x[0] if rows is None else x[0, rows])).float(), aux[0]
-    h = x.reshape(B * N, -1) if rows is None else x.reshape(B * N, -1)[rows]  # only the rows whose logits are read
-    return head(_rms_norm(inner.norm, h)).float(), aux
+        if plan.prompt_rope and heads.is_contiguous():  # vt: v as (B, kv heads, N, hd)
+            q, k, vt = torch.ops.dart_lab.rope_heads(heads, rows_cos, rows_sin, nh, nkv)
+        elif qk_norm:
+            q, k = _rms_norm(att.q_norm, heads[:, :, :nh]), _rms_norm(att.k_norm, heads[:, :, nh:nh + nkv])
+            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            vt = heads[:, :, nh + nkv:].transpose(1, 2)
+        else:  # q and k side by side in the projection's output: rotated in one pass
+            qk = _rotate(heads[:, :, :nh + nkv].transpose(1, 2), cos, sin)
+            q, k, vt = qk[:, :nh], qk[:, nh:], heads[:, :, nh + nkv:].transpose(1, 2)
+        if segments is None:
+            K.index_copy_(2, slots, k.to(K.dtype))
+            V.index_copy_(2, slots, vt.to(V.dtype))
+        else:  # prompt r into cache row r (copy_ rounds to the cache's dtype as .to does)
+            for r, (s, e) in enumerate(segments):
+                K[r, :, :e - s].copy_(k[0, :, s:e])
+                V[r, :, :e - s].copy_(vt[0, :, s:e])
+    if not causal:
+        return attend(q.to(attention_dtype), K, V, attn_mask, n_keys, scaling, causal, plan.nodes).transpose(1, 2)
+    # a prompt into an empty cache: its own K/V are every key
+    qa, ka, va = q.to(plan.prompt_dtype), k.to(plan.prompt_dtype), vt.to(plan.prompt_dtype)
+    if segments is None:
+        return attend(qa, ka, va, None, n_keys, scaling, causal).transpose(1, 2)
+    o = torch.empty(1, N, nh, hd, dtype=qa.dtype, device=qa.device)  # each prompt's heads where o_proj reads them
+    for s, e in segments:
+        o[0, s:e] = attend(qa[:, :, s:e], ka[:, :, s:e], va[:, :, s:e], None, e - s, scaling, causal)[0].transpose(0, 1)
+    return o
+
+
+def _mlp(layer, gate_up, down, plan):
+    """The layer's MLP as one callable on the post-attention-normed x: both on bf16 copies (silu * up from bf16 to
+    bf16, the same numbers: csrc/norm.cpp), torch's silu and mul as one dispatch, or the module's own ops."""
+    if plan.mlp_bf16 is not None:
+        g, d = gate_up.paths[plan.mlp_bf16[0]], down.paths[plan.mlp_bf16[1]]
+        return lambda h: d.raw(torch.ops.dart_lab.silu_mul_bf16.default(g.raw(h.to(torch.bfloat16)))).to(h.dtype)
+    if plan.fused_mlp:
+        return lambda h: down(torch.ops.dart_lab.silu_mul.default(gate_up(h)))
+
+    def mlp(h):
+        gate, up = gate_up(h).chunk(2, dim=-1)
+        return down(layer.mlp.act_fn(gate) * up)
+    return mlp
 
 
 _stacks = weakref.WeakKeyDictionary()  # a step's first linear -> {rows' paths: q4_layers' weight arguments}

@@ -5,7 +5,7 @@ head's theta nodes + the copy on top, one head forward + search) and, in fallbac
 replays the target's own greedy answers (AR, T=0, the auto dtype) and, at EVERY answer position j,
 computes what each option would have had accepted there (greedy: the longest tree path the answer
 follows) and what it costs on this machine: verify(nodes) from the cost curve at that context
-(`budget.curve_at`) plus, for a tree step, the head forward + search time measured here. A dynamic
+(`cost.curve_at`) plus, for a tree step, the head forward + search time measured here. A dynamic
 program over positions then finds the cheapest way through each answer:
   pld            prompt lookup (3-token suffix, 10 copied) every step
   copy-only      dart-ctx's copy chain alone every step
@@ -23,26 +23,38 @@ depend on how earlier steps were grouped). Approximations: copy p is scored at e
 against the answer's future (more trials than a decode sees); tree verification in bf16 may part
 from the answer at near-ties (ignored).
     python experiments/dart_ctx/copy_head_oracle.py --datasets copy_edit --num-prompts 20 --thetas 2,4,8,16
+    python experiments/dart_ctx/copy_head_oracle.py --self-check   # the bound's pieces against brute force
+    python experiments/dart_ctx/copy_head_oracle.py --smoke        # the whole bound on a tiny random target
+
+main() returns the result JSON ({"command", "dtype", "datasets": {dataset: {..., "speed_vs_ar_decode_only"}}}),
+or {"self_check": "passed"}.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from copy_headroom import greedy_answers, kept  # this script's folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (run by path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: tiny.py (the smallest mode)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's folder: copy_headroom.py
+import tiny  # noqa: E402
+from copy_headroom import greedy_answers, kept  # noqa: E402
 
-from dart_lab.budget import cost_curve, curve_at, expected_copy_tokens, interpolate
-from dart_lab.dart_ctx import ContextDrafter, MixedNGram
-from dart_lab.drafters import copy_chain
-from dart_lab.loading import load_target
-from dart_lab.methods import MethodOptions, make_drafter, make_runner
-from dart_lab.search import topk_levels, tree_search_with_paths
+from dart_lab.config import BudgetConfig  # noqa: E402
+from dart_lab.cost import curve_at, expected_copy_tokens, interpolate  # noqa: E402
+from dart_lab.dart_ctx import ContextDrafter, MixedNGram  # noqa: E402
+from dart_lab.drafters import copy_chain  # noqa: E402
+from dart_lab.loading import load_target  # noqa: E402
+from dart_lab.measure import cost_curve  # noqa: E402
+from dart_lab.methods import MethodOptions, make_drafter, make_runner  # noqa: E402
+from dart_lab.search import topk_levels, tree_search_with_paths  # noqa: E402
 
 
 def tree_accepted(tree, future: list[int]) -> int:
@@ -110,8 +122,8 @@ def walk(rows, cost, choose) -> float:
     return ms
 
 
-def self_check() -> None:
-    """The bound's two pieces against brute force (tests/test_copy_head_oracle.py runs this):
+def self_check() -> dict:
+    """The bound's two pieces against brute force (tests/test_experiments.py runs this):
     tree_accepted = the engine's greedy acceptance, and the hindsight program = the minimum over every
     sequence of steps, which no online walk beats."""
     import itertools
@@ -140,11 +152,14 @@ def self_check() -> None:
         for pick in itertools.product(range(3), repeat=2):  # online rules that pick by position parity
             assert walk(rows, cost, lambda r, c, pick=pick: r["opts"][pick[r["ctx"] % 2]]) >= best - 1e-9
     print("self-check passed")
+    return {"self_check": "passed"}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--self-check", action="store_true", help="check the bound's pieces on toy cases, then stop")
+    ap.add_argument("--smoke", action="store_true", default=tiny.smoke_default(),
+                    help="a tiny random target and head, 2 random prompts x 16 tokens, thetas 2,4 (the tests' mode)")
     ap.add_argument("--datasets", default="copy_edit")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -153,14 +168,23 @@ def main() -> None:
     ap.add_argument("--rule-theta", type=int, default=4, help="theta of the online rule (one of --thetas)")
     ap.add_argument("--out", default="")
     ap.add_argument("--rows", default="", help="also write the per-position options here (JSON)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.self_check:
         return self_check()
+    if args.smoke:
+        args.datasets, args.num_prompts, args.max_new_tokens, args.thetas, args.rule_theta = "random", 2, 16, "2,4", 4
     thetas = [int(t) for t in args.thetas.split(",")]
-    target = load_target("smollm2-135m")
-    cost = cost_curve(target)
+    if args.smoke:  # a small curve, not cached; random heads and n-gram table (no shipped ones for this target)
+        target = tiny.tiny_target()
+        cost = cost_curve(target, BudgetConfig(sizes=(1, 2, 4, 8, 16, 32), repeats=2, prompt_len=32,
+                                               long_prompt_len=96), cache=False)
+        opts, cache = MethodOptions(tree_nodes=str(max(thetas)), random_heads=True), {"ngram": tiny.ngram()}
+    else:
+        target = load_target("smollm2-135m")
+        cost = cost_curve(target)
+        opts, cache = MethodOptions(tree_nodes=str(max(thetas)), dart_head=args.dart_head), None
     ar = make_runner("ar", target)
-    d = make_drafter("dart-ctx", target, MethodOptions(tree_nodes=str(max(thetas)), dart_head=args.dart_head))
+    d = make_drafter("dart-ctx", target, opts, cache)
     res = {"command": "python experiments/dart_ctx/copy_head_oracle.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "dtype": str(target.dtype), "datasets": {}}
@@ -244,6 +268,7 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
 
 
 if __name__ == "__main__":

@@ -8,21 +8,29 @@ attached, so it bounds what a policy can reach, not how fast it runs. Policies:
                   `alt_len` tokens deep (a small tree of copies), the best one counting
   head oracle     the copy, and where its first token is wrong, one head token that is always right
   branch oracle   the same, and the copy that follows ids + [that token] (dart-ctx's branch idea)
-    python experiments/dart_ctx/copy_headroom.py --datasets copy_edit,mt_bench --num-prompts 10
+    python experiments/dart_ctx/copy_headroom.py --datasets copy_edit,mt_bench --num-prompts 10 [--out headroom.json]
+    python experiments/dart_ctx/copy_headroom.py --smoke     # a tiny random target's answers to random prompts
+
+main() returns {"command", "tau": {dataset: {policy: tau}}} (in the smallest mode one "dataset", `random`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from dart_lab.config import GenerationConfig
-from dart_lab.data import load_prompts
-from dart_lab.drafters import copy_match
-from dart_lab.loading import load_target
-from dart_lab.methods import make_runner
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (run by path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: tiny.py (the smallest mode)
+import tiny  # noqa: E402
+
+from dart_lab.config import GenerationConfig  # noqa: E402
+from dart_lab.data import load_prompts  # noqa: E402
+from dart_lab.drafters import copy_match  # noqa: E402
+from dart_lab.loading import load_target  # noqa: E402
+from dart_lab.methods import make_runner  # noqa: E402
 
 
 def kept(chain, future) -> int:
@@ -73,12 +81,15 @@ def policies(alt_len: int):
 
 
 def greedy_answers(target, ar, dataset: str, num_prompts: int, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, the target's greedy answer) for the first `num_prompts` prompts of `dataset`."""
-    answers = []
-    for p in load_prompts(dataset, num_prompts):
-        ids = target.encode_prompt(p["prompt"])
-        answers.append((ids.tolist(), ar.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).tokens))
-    return answers
+    """(prompt ids, the target's greedy answer) for the first `num_prompts` prompts of `dataset`; dataset
+    "random": `tiny.prompts` (the smallest mode's target has no tokenizer), decoded past EOS."""
+    if dataset == "random":
+        ids_list, cfg = tiny.prompts(num_prompts, target.vocab_size), GenerationConfig(max_new_tokens=max_new_tokens,
+                                                                                        stop_on_eos=False)
+    else:
+        ids_list = [target.encode_prompt(p["prompt"]) for p in load_prompts(dataset, num_prompts)]
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens)
+    return [(ids.tolist(), ar.generate(ids, cfg).tokens) for ids in ids_list]
 
 
 def replay(answers, policy) -> float:
@@ -93,15 +104,20 @@ def replay(answers, policy) -> float:
     return toks / steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", default="copy_edit,mt_bench")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--alt-len", type=int, default=4)
-    ap.add_argument("--out", default="reproduce/results/2026-11-30_epyc-2c_engine/copy_headroom.json")
-    args = ap.parse_args()
-    target = load_target("smollm2-135m")
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument("--smoke", action="store_true", default=tiny.smoke_default(),
+                    help="a tiny random target, 3 random prompts x 24 tokens (the tests' mode)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        target, args.datasets, args.num_prompts, args.max_new_tokens = tiny.tiny_target(), "random", 3, 24
+    else:
+        target = load_target("smollm2-135m")
     ar = make_runner("ar", target)
     res = {"command": "python experiments/dart_ctx/copy_headroom.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"), "tau": {}}
@@ -109,7 +125,9 @@ def main() -> None:
         answers = greedy_answers(target, ar, ds, args.num_prompts, args.max_new_tokens)
         res["tau"][ds] = {name: round(replay(answers, f), 3) for name, f in policies(args.alt_len).items()}
         print(ds, res["tau"][ds])
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
 
 
 if __name__ == "__main__":

@@ -9,21 +9,30 @@ one process (run it on an idle machine):
    compiled (after compiling) in alternation, and the tokens after which compiling has paid for itself.
 
     .venv/bin/python experiments/engine/compile_bench.py [--prompts 5] [--dtype int4] [--out compile.json]
+    .venv/bin/python experiments/engine/compile_bench.py --smoke     # a tiny random Llama: one shape compiled
+
+--smoke: one step shape (one token, one context), AR alone end to end over two random prompts -- compiling
+that one shape still takes 10-40 s on 2 cores (the tests run it in the slow tier). main() returns the JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from dart_lab.data import load_prompts
-from dart_lab.generate import GenerationConfig
-from dart_lab.loading import load_target
-from dart_lab.methods import MethodOptions, make_runner
-from dart_lab.tree import Tree
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: tiny.py (the smallest mode)
+import tiny  # noqa: E402
+
+from dart_lab.data import load_prompts  # noqa: E402
+from dart_lab.generate import GenerationConfig  # noqa: E402
+from dart_lab.loading import load_target  # noqa: E402
+from dart_lab.methods import MethodOptions, make_runner  # noqa: E402
+from dart_lab.tree import Tree  # noqa: E402
 
 
 def step_pairs(t, trees: dict, contexts, pairs: int = 40) -> dict:
@@ -32,7 +41,7 @@ def step_pairs(t, trees: dict, contexts, pairs: int = 40) -> dict:
     out = {}
     for P in contexts:
         t.compile = False
-        t.prefill(torch.randint(100, 40000, (P,), generator=g), want_aux=True, all_logits=False)
+        t.prefill(torch.randint(3, min(t.vocab_size, 40000), (P,), generator=g), want_aux=True, all_logits=False)
         ts = {(n, c): [] for n in trees for c in (False, True)}
         for r in range(pairs + 2):  # rounds 0-1 warm up (round 0 compiles)
             for n, tree in trees.items():
@@ -52,23 +61,31 @@ def step_pairs(t, trees: dict, contexts, pairs: int = 40) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 | int4 (4-bit weights compile too)")
-    ap.add_argument("--out", default="compile.json")
-    args = ap.parse_args()
-    t = load_target(dtype=args.dtype)
+    ap.add_argument("--out", default="compile.json", help="'' writes nothing")
+    ap.add_argument("--smoke", action="store_true", default=tiny.smoke_default(),
+                    help="a tiny random Llama, one step shape compiled, AR end to end (the tests' mode)")
+    args = ap.parse_args(argv)
+    t = tiny.tiny_target() if args.smoke else load_target(dtype=args.dtype)
     compiles = []
     t0 = time.perf_counter()
-    trees = {1: Tree.single(7), 5: Tree(torch.tensor([5, 10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1, 1]))}
-    steps = step_pairs(t, trees, (150, 300, 600))
+    trees = {1: Tree.single(7)}
+    if not args.smoke:
+        trees[5] = Tree(torch.tensor([5, 10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1, 1]))
+    steps = step_pairs(t, trees, (30,) if args.smoke else (150, 300, 600), pairs=4 if args.smoke else 40)
     compiles.append(("step pairs", round(t.compile_seconds, 1)))
     opts = MethodOptions(tree_nodes="4")
-    runners = {m: make_runner(m, t, opts) for m in ("ar", "dart")}
-    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    prompts = [t.encode_prompt(p["prompt"]) for p in load_prompts("mt_bench", args.prompts)]
+    runners = {m: make_runner(m, t, opts) for m in (("ar",) if args.smoke else ("ar", "dart"))}
+    if args.smoke:
+        cfg = GenerationConfig(max_new_tokens=4, stop_on_eos=False)
+        prompts = tiny.prompts(2, lo=12, hi=12)
+    else:
+        cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
+        prompts = [t.encode_prompt(p["prompt"]) for p in load_prompts("mt_bench", args.prompts)]
     before = t.compile_seconds
     for c in (False, True):  # warm-up: compiles every shape the prompts reach
         t.compile = c
@@ -95,10 +112,12 @@ def main() -> None:
     res = {"dtype": t.precision, "node_buckets": list(t.node_buckets), "key_bucket": t.key_bucket,
            "shapes_compiled": sorted(t.compiled_shapes), "compile_seconds_total": round(t.compile_seconds, 1),
            "compile_seconds_by_phase": dict(compiles), "steps": steps, "end_to_end": e2e,
-           "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(time.perf_counter() - t0)}
+           "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "wall_s": round(time.perf_counter() - t0)}
     print(json.dumps(res, indent=1))
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
 
 
 if __name__ == "__main__":

@@ -1,14 +1,35 @@
-"""Markdown tables of an engine benchmark (experiments/engine/engine_bench.sh): speedup over AR (tau) per method
-and dataset at T=0 and T=1, the ratios the issues ask for, theta chosen, load and divergences.
+"""The engine benchmark's headline table: every method on the paper's five datasets plus the copy-heavy `copy_edit`
+set, at T=0 and T=1, interleaved per prompt (`--run`: one `dart-lab bench` per dataset and temperature, auto dtype,
+auto tree budget, 128 new tokens per prompt), then markdown tables of a run's folder: speedup over AR (tau) per
+method and dataset, the ratios the issues ask for, theta chosen, load and divergences.
 
-    .venv/bin/python experiments/engine/engine_table.py [reproduce/results/<date>_<machine>_engine]
+    .venv/bin/python experiments/engine/engine_table.py --run reproduce/results/<date>_<machine>_engine   # bench + TABLE.md
+        [--num-prompts 10] [--t1-prompts 10] [--repeats 2] [--methods-t0 ar,dart,dart-ctx,eagle3,pld,hf] [--datasets ...]
+    .venv/bin/python experiments/engine/engine_table.py [reproduce/results/<date>_<machine>_engine]      # the tables alone
+    .venv/bin/python experiments/engine/engine_table.py --smoke     # the tables of the stored run (no model)
+
+Run the bench on an idle machine: each JSON records the machine's load and marks a contended run (T=0: the ablations
+of dart-ctx too unless --methods-t0 leaves them out, ~1/3 shorter). main() returns {"T0": lines, "T1": lines}.
 """
+from __future__ import annotations
+
+import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
-from dart_lab.bench import ratio_interval
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root (run by path)
+from dart_lab.bench import ratio_interval  # noqa: E402
+from dart_lab.smoke import SMOKE  # noqa: E402
+
+# the default folder (README's results table, bf16) and --smoke's: its TABLE.md rows come back
+STORED = ROOT / "reproduce" / "results" / "2026-12-02_epyc-2c_engine-context-priced"
+DATASETS = "mt_bench,humaneval,gsm8k,code_alpaca,alpaca,copy_edit"
+METHODS_T0 = "ar,dart,dart-ctx,dart-ctx-ngram,dart-ctx-copy,dart-ctx-pooled,eagle3,pld,hf"
+METHODS_T1 = "ar,dart,dart-ctx,eagle3,pld"
 
 PAPER = ["mt_bench", "humaneval", "gsm8k", "code_alpaca", "alpaca"]
 SHORT = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "code_alpaca": "CodeAlpaca",
@@ -77,36 +98,52 @@ def first_pass_line(runs: dict, methods: list[str]) -> str:
     return f"- each (prompt, method) counted by the fastest of {reps} interleaved passes; the first pass alone: " + "; ".join(parts)
 
 
-def main():
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "reproduce/results/2026-12-02_epyc-2c_engine-context-priced")
+def run_bench(out: Path, args) -> None:
+    """One `dart-lab bench` per dataset and temperature into `out` (what engine_bench.sh ran)."""
+    from dart_lab.cli import main as dart_lab
+
+    out.mkdir(parents=True, exist_ok=True)
+    for temp, methods, n, extra in (("T0", args.methods_t0, args.num_prompts, ["--repeats", str(args.repeats)]),
+                                    ("T1", METHODS_T1, args.t1_prompts, ["--temperature", "1.0"])):
+        for ds in args.datasets.split(","):
+            rc = dart_lab(["bench", "--methods", methods, "--dataset", ds, "--num-prompts", str(n), *extra,
+                           "--max-new-tokens", "128", "--out", str(out / f"{ds}_{temp}.json"), "--no-progress"])
+            if rc:
+                raise SystemExit(f"dart-lab bench {ds} {temp} failed ({rc})")
+
+
+def render(out: Path) -> dict:
+    """{temperature: markdown lines} of the run in `out` (one JSON per dataset and temperature)."""
+    tables = {}
     for temp in ("T0", "T1"):
         runs = load(out, temp)
         if not runs:
             continue
+        lines = tables[temp] = []
         methods = [m for m in next(iter(runs.values()))["methods"] if m != "ar"]
-        print(f"\n### {temp} ({next(iter(runs.values()))['config']['num_prompts']} prompts x 128 tokens per dataset)\n")
-        print("\n".join(table(runs, methods)))
-        print()
+        lines.append(f"\n### {temp} ({next(iter(runs.values()))['config']['num_prompts']} prompts x 128 tokens per dataset)\n")
+        lines.append("\n".join(table(runs, methods)))
+        lines.append("")
         for line in (ratio(runs, "dart", "hf", "dart over HF generate"), ratio(runs, "ar", "hf", "our AR over HF generate"),
                      ratio(runs, "dart", "eagle3", "dart over eagle3"),
                      ratio(runs, "dart-ctx", ["dart", "pld"], "dart-ctx over the faster of dart and pld "
                            "[95 % bootstrap interval over prompts]", interval=True)):
             if line:
-                print(line)
+                lines.append(line)
         if any("methods_first_pass" in run for run in runs.values()):
-            print(first_pass_line(runs, [m for m in methods if m in ("dart", "dart-ctx", "eagle3", "pld")]))
+            lines.append(first_pass_line(runs, [m for m in methods if m in ("dart", "dart-ctx", "eagle3", "pld")]))
         share = [f"{SHORT[d]} {run['methods']['dart-ctx']['copy_only_share']:.2f}" for d, run in runs.items()
                  if "copy_only_share" in run["methods"].get("dart-ctx", {})]
         if share:
-            print("- dart-ctx steps that verified the copy chain alone (copy-only): " + ", ".join(share))
+            lines.append("- dart-ctx steps that verified the copy chain alone (copy-only): " + ", ".join(share))
         load_ = [r["machine_load"] for r in runs.values()]
-        print(f"- machine: other processes {min(x['others_cores'] for x in load_):.2f}-"
+        lines.append(f"- machine: other processes {min(x['others_cores'] for x in load_):.2f}-"
               f"{max(x['others_cores'] for x in load_):.2f} cores; contended runs: "
               f"{sum(x['contended'] for x in load_)} of {len(load_)}")
         # what the load counters cannot see (a VM's host, memory bandwidth): AR's own step time per prompt
         ar_ms = {d: [p["verify_ms"] for p in run["per_prompt"] if p["method"] == "ar" and p.get("verify_ms")]
                  for d, run in runs.items()}
-        print("- AR step ms per prompt, median (min-max): " + ", ".join(
+        lines.append("- AR step ms per prompt, median (min-max): " + ", ".join(
             f"{SHORT[d]} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for d, v in ar_ms.items() if v))
         if temp == "T0":
             div = [(d, m, r.get("divergences", 0), r.get("max_divergence_margin"), r.get("unexplained_divergences", 0))
@@ -114,16 +151,43 @@ def main():
             n = sum(x[2] or 0 for x in div)
             worst = max((x[3] for x in div if x[3] is not None), default=None)
             dtypes = ", ".join(sorted({str(run["machine"].get("dtype")) for run in runs.values()}))
-            print(f"- divergences from AR ({dtypes}): {n} (method, prompt) pairs, largest AR top-1 minus top-2 margin "
+            lines.append(f"- divergences from AR ({dtypes}): {n} (method, prompt) pairs, largest AR top-1 minus top-2 margin "
                   f"there {worst if worst is None else round(worst, 3)}; unexplained: {sum(x[4] or 0 for x in div)}")
             r = runs.get("mt_bench") or next(iter(runs.values()))
             b = r["drafters"].get("dart", {}).get("tree_budget")
             if b:
                 v = b["verify_ms"]
                 one = v.get("1") or v.get(1)
-                print("- cost curve (verify ms of N nodes, MT-bench run): " + ", ".join(
+                lines.append("- cost curve (verify ms of N nodes, MT-bench run): " + ", ".join(
                     f"N={k} {float(ms):.1f} ({float(ms) / one:.2f}x)" for k, ms in sorted(v.items(), key=lambda kv: int(kv[0]))
                     if int(k) in (1, 4, 8, 16, 32, 64)))
+    return tables
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", default="", help=f"a run's folder (default: {STORED.relative_to(ROOT)})")
+    ap.add_argument("--run", action="store_true", help="run the bench into OUT first, then write OUT/TABLE.md")
+    ap.add_argument("--num-prompts", type=int, default=10, help="T=0 prompts per dataset")
+    ap.add_argument("--t1-prompts", type=int, default=10, help="T=1 prompts per dataset")
+    ap.add_argument("--repeats", type=int, default=2, help="T=0 passes per (prompt, method), the fastest counts")
+    ap.add_argument("--methods-t0", default=METHODS_T0)
+    ap.add_argument("--datasets", default=DATASETS)
+    ap.add_argument("--smoke", action="store_true", default=SMOKE, help="the stored run's tables (the tests' mode)")
+    args = ap.parse_args(argv)
+    if args.run and (args.smoke or not args.out):
+        ap.error("--run needs the folder to write, and the embedded target (no --smoke)")
+    out = Path(args.out) if args.out else STORED
+    start = time.time()
+    if args.run:
+        run_bench(out, args)
+    tables = render(out)
+    text = "\n".join(line for lines in tables.values() for line in lines)
+    print(text)
+    if args.run:
+        (out / "TABLE.md").write_text(text + "\n")
+        print(f"engine bench: {(time.time() - start) / 60:.0f} min")
+    return tables
 
 
 if __name__ == "__main__":

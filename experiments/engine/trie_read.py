@@ -6,6 +6,9 @@ each: 1 + A + A*B + A*B*C nodes, written with numpy), each reading in its own pr
 
     python experiments/engine/trie_read.py                 # 20 M nodes (~0.8 GB file)
     python experiments/engine/trie_read.py --shape 100,100,100
+    python experiments/engine/trie_read.py --smoke         # ~1,000-node tries, every reading in this process
+
+Prints one JSON line per reading; main() returns them as a list.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (run by path)
+from dart_lab.smoke import SMOKE  # noqa: E402
 
 
 def write_synthetic(path: Path, A: int, B: int, C: int, V: int = 151936, seed: int = 0) -> int:
@@ -49,8 +55,8 @@ def write_synthetic(path: Path, A: int, B: int, C: int, V: int = 151936, seed: i
     return 1 + n1 + n2 + n3
 
 
-def one(mode: str, path: str) -> dict:
-    from dart_lab import kernels
+def one(mode: str, path: str, digits: int = 2) -> dict:
+    from dart_lab.engine import kernels
     from dart_lab.ngram import read_trie
 
     t0 = time.perf_counter()
@@ -61,32 +67,49 @@ def one(mode: str, path: str) -> dict:
         kernels.trie_here()  # the build (cached by torch) outside the timing
         t0 = time.perf_counter()
         ng = read_trie(path, vocab_size=151936, cache=mode != "cpp")
-    return {"mode": mode, "s": round(time.perf_counter() - t0, 2), "peak_rss_gb": round(
+    return {"mode": mode, "s": round(time.perf_counter() - t0, digits), "peak_rss_gb": round(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2), **ng.num_ngrams}
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1000,100,200", help="A,B,C: tokens, children, grandchildren")
     ap.add_argument("--python-shape", default="100,100,100", help="the Python loop's (smaller) trie")
+    ap.add_argument("--in-process", action="store_true", help="every reading in this process (peak RSS: this one's)")
+    ap.add_argument("--smoke", action="store_true", default=SMOKE,
+                    help="shapes 20,10,5 and 10,5,5, in process (the tests' mode)")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.one:
         print(json.dumps(one(*a.one)))
-        return
+        return []
+    if a.smoke:
+        a.shape, a.python_shape, a.in_process = "20,10,5", "10,5,5", True
     out = []
+    saved = os.environ.get("DART_LAB_CACHE")
     with tempfile.TemporaryDirectory() as d:
         env = {**os.environ, "DART_LAB_CACHE": str(Path(d) / "cache")}
         for shape, modes in ((a.shape, ("cpp", "cache-write", "cache-read")), (a.python_shape, ("cpp", "python"))):
             path = Path(d) / f"t{shape}.trie"
             nodes = write_synthetic(path, *map(int, shape.split(",")))
             for mode in modes:
-                r = subprocess.run([sys.executable, __file__, "--one", mode, str(path)], env=env, capture_output=True,
-                                   text=True, check=True)
-                row = {"nodes": nodes, "file_gb": round(path.stat().st_size / 1e9, 3), **json.loads(r.stdout)}
-                row["nodes_per_s_m"] = round(nodes / row["s"] / 1e6, 1)
+                if a.in_process:
+                    os.environ["DART_LAB_CACHE"] = env["DART_LAB_CACHE"]  # the .npz cache in the temporary folder
+                    try:
+                        got = one(mode, str(path), digits=5)
+                    finally:
+                        if saved is None:
+                            del os.environ["DART_LAB_CACHE"]
+                        else:
+                            os.environ["DART_LAB_CACHE"] = saved
+                else:
+                    got = json.loads(subprocess.run([sys.executable, __file__, "--one", mode, str(path)], env=env,
+                                                    capture_output=True, text=True, check=True).stdout)
+                row = {"nodes": nodes, "file_gb": round(path.stat().st_size / 1e9, 6 if a.smoke else 3), **got}
+                row["nodes_per_s_m"] = round(nodes / max(row["s"], 1e-6) / 1e6, 1)
                 out.append(row)
                 print(json.dumps(row), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ namespace {
 constexpr int kRowsPerPass = 4;  // query rows sharing one pass over K and over V
 // K and V rows are requested this many keys ahead of their use: a step's attention streams the cache at close
 // to the memory's speed, and the hardware prefetcher alone left part of that on the table
-// (experiments/engine/attention_prefetch_ab.py)
+// (docs/speed.md, what was tried)
 constexpr int64_t kAhead = 8;
 
 struct Geometry {

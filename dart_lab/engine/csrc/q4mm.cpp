@@ -70,7 +70,7 @@ void q4_block(const uint32_t* xp, const float* xs, const uint8_t* wp, const uint
       const int64_t quad = g * 8 + t;
       // 2 KB ahead: with several rows a block's arithmetic is long enough that the hardware prefetcher alone
       // leaves loads waiting, and one row's stream keeps more reads in flight than at 1 KB (a prefetch past the
-      // end is harmless; experiments/engine/q4_prefetch_ab.py)
+      // end is harmless; docs/speed.md, what was tried)
       _mm_prefetch((const char*)(wb + (quad + 64) * 32), _MM_HINT_T0);
       __m512i wl, wh;
       lookup_quad(wb + quad * 32, wl, wh);
@@ -128,7 +128,7 @@ bool amx_usable() {
 }
 
 int64_t amx_from_rows = 2;  // steps of at least this many rows take the AMX path (0: never): from 2 rows it
-                            // measured faster than the AVX-512 path (experiments/engine/q4_amx_ab.py)
+                            // measured faster than the AVX-512 path (docs/speed.md)
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
