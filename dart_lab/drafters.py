@@ -147,9 +147,13 @@ def propose_rows(drafters: list[DartDrafter], ids: list[list[int]], logits: list
     `last_timing` carries its share of the time."""
     d0 = drafters[0]
     t0 = time.perf_counter()
-    logp, toks = topk_levels(torch.stack(logits), d0.search.topk, d0.vocab_map)
-    t1 = time.perf_counter()
-    trees = tree_search_batch(logp, toks, ids, d0.ngram, d0.search, d0.eos)
+    stacked = torch.stack(logits)
+    trees = fast.call("propose_rows", stacked, ids, d0)  # on a GPU: top-k and search on the device (the engine's)
+    t1 = t0  # there both count as search
+    if trees is None:
+        logp, toks = topk_levels(stacked, d0.search.topk, d0.vocab_map)
+        t1 = time.perf_counter()
+        trees = tree_search_batch(logp, toks, ids, d0.ngram, d0.search, d0.eos)
     t2 = time.perf_counter()
     for d in drafters:
         d.last_timing = {"draft_ms": (t1 - t0) * 1e3 / len(drafters), "search_ms": (t2 - t1) * 1e3 / len(drafters)}

@@ -68,7 +68,7 @@ def check_microbench_search(res, tmp_path):
     assert 1 < res["mean_tree_nodes"] <= 61  # the root and at most max_nodes drafted
     assert set(res["rows"]) == {f"{n} nodes, {r} rows" for n in (60, 8) for r in (1, 4)}
     for row in res["rows"].values():
-        assert positive(row["per_row"], row["batched"])
+        assert positive(row["per_row"], row["batched"], row["on_device"]) and row["same_trees"]
 
 
 def check_draft_cost_by_theta(res, tmp_path):

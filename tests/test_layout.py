@@ -14,7 +14,7 @@ FLOORS = [
     {"tree", "acceptance", "target", "ngram", "search", "draft_head", "generate", "drafters"},  # the method
     {"policy", "dart_ctx", "measure", "regenerate", "features", "losses", "viz"},
     {"engine", "engine.kernels", "engine.q4", "engine.int4", "engine.attention", "engine.step", "engine.runner",
-     "engine.head", "engine.ops", "engine.batch_target", "engine.batch"},
+     "engine.head", "engine.ops", "engine.on_device", "engine.batch_target", "engine.batch"},
     {"budget", "loading", "llamacpp"},
     {"methods", "train", "bench", "presets", "tables", "cli", "__main__", "exercise"},
 ]

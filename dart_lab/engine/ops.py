@@ -6,6 +6,7 @@ tests/test_tree.py, tests/test_paper_presets.py, tests/test_fast_runner.py, test
 from __future__ import annotations
 
 import functools
+import weakref
 
 import numpy as np
 import torch
@@ -98,5 +99,32 @@ def top2(logits: torch.Tensor):
     return None
 
 
-for _name in ("beam_candidates", "tree_search_batch", "closed_tree", "trie_nodes", "rms_norm", "top2"):
+_device_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # NGram -> {device: DeviceNGram}
+SEARCH_ON_DEVICE = ("cuda",)  # device types whose batches search on the device (tests add "cpu")
+
+
+def propose_rows(logits: torch.Tensor, contexts: list[list[int]], drafter):
+    """`drafters.propose_rows`' top-k and search for a batch whose head logits (R, L, V) live on a GPU: both on the
+    device (`on_device.search_batch`: the reference's trees), one host copy of the trees a step. On a CPU the
+    compiled per-row search is faster (docs/speed.md), so the reference path runs there."""
+    from .on_device import DeviceNGram, search_batch, trees
+
+    ng = drafter.ngram
+    if logits.device.type not in SEARCH_ON_DEVICE or not (ng is None or type(ng) is NGram):
+        return None
+    cfg = drafter.search
+    vals, idx = torch.topk(logits.float(), cfg.topk, dim=-1)
+    p = torch.softmax(vals, dim=-1)
+    if drafter.vocab_map is not None:
+        idx = drafter.vocab_map.to(idx.device)[idx]
+    logp = torch.log(p + 1e-10)  # `search.topk_levels`' eps
+    dev_ng = None
+    if ng is not None:  # the tables copied to the device once
+        held = _device_tables.setdefault(ng, {})
+        dev_ng = held.get(logits.device) or held.setdefault(logits.device, DeviceNGram(ng, logits.device))
+    last2 = torch.tensor([[c[-2] if len(c) >= 2 else -1, c[-1]] for c in contexts], device=logits.device)
+    return trees(search_batch(logp, idx, last2, dev_ng, cfg, drafter.eos))
+
+
+for _name in ("beam_candidates", "tree_search_batch", "closed_tree", "trie_nodes", "rms_norm", "top2", "propose_rows"):
     fast.plug(_name, globals()[_name])
