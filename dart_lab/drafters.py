@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from . import fast
+from .builders import build
 from .errors import DartLabError
 from .generate import Drafter
 from .search import TreeSearchConfig, topk_levels, tree_search, tree_search_batch
@@ -122,6 +123,12 @@ class DartDrafter(HeadDrafter):
         """The tree for this step; `logits` = this drafter's `draft_logits()` computed in a batch."""
         t0 = time.perf_counter()
         logits = self.draft_logits() if logits is None else logits
+        if self.search.builder != "dart":  # another builder over the same levels (builders.py)
+            t1 = time.perf_counter()
+            tree = build(self.search.builder, logits, ids, self.search.max_nodes, self.ngram, self.search,
+                         self.vocab_map, self.eos)
+            self.last_timing = {"draft_ms": (t1 - t0) * 1e3, "search_ms": (time.perf_counter() - t1) * 1e3}
+            return tree
         logp, toks = topk_levels(logits, self.search.topk, self.vocab_map)  # host copy = sync point
         t1 = time.perf_counter()
         tree = tree_search(logp, toks, ids, self.ngram, self.search, self.eos)
@@ -146,6 +153,8 @@ def propose_rows(drafters: list[DartDrafter], ids: list[list[int]], logits: list
     drafters share one head, n-gram and search config (`batch._draft` groups them so). Each drafter's
     `last_timing` carries its share of the time."""
     d0 = drafters[0]
+    if d0.search.builder != "dart":  # the other builders build row by row
+        return [d.propose(i, lg) for d, i, lg in zip(drafters, ids, logits)]
     t0 = time.perf_counter()
     stacked = torch.stack(logits)
     trees = fast.call("propose_rows", stacked, ids, d0)  # on a GPU: top-k and search on the device (the engine's)

@@ -50,7 +50,8 @@ def fingerprint(target) -> dict:
             "cache_dtype": str(getattr(target, "cache_dtype", target.dtype)),
             "attention_kernel_nodes": getattr(target, "attention_nodes", 0),  # steps on our kernel (attention.py)
             "runner_revision": getattr(target, "runner_revision", 0),  # a cheaper runner re-measures its curve
-            "compiled": ({"node_buckets": list(target.node_buckets), "key_bucket": target.key_bucket}
+            "compiled": ({"node_buckets": list(target.node_buckets), "key_bucket": target.key_bucket,
+                          **({"mode": target.compile_mode} if getattr(target, "compile_mode", None) else {})}
                          if getattr(target, "compile", False) else False),
             **target.cost_key()}  # what the runner adds: its kernels' build, its 4-bit paths
 

@@ -17,6 +17,7 @@ import torch
 from . import hub
 from .engine.batch import BatchResult, generate_batch, hf_generate_batch
 from .config import BudgetConfig
+from .builders import BUILDERS
 from .budget import BudgetController
 from .config import GenerationConfig
 from .draft_head import DartHead, Eagle3Head, HeadConfig
@@ -57,6 +58,8 @@ class MethodOptions:
     tree_nodes: str = _opt("auto", "drafted tree nodes, root excluded: auto (chosen from this machine's measured "
                                    "verify cost and the head's acceptance, see budget.py) | paper (DART 60, "
                                    "EAGLE-3 59, the released defaults) | a number")
+    tree_builder: str = _opt("dart", "what turns DART's levels into a tree (builders.py): dart (the released search) "
+                                     "| best-first (DDTree's) | best-first-ngram | chain")
 
 
 def shipped_head(target, kind: str) -> Path | None:
@@ -177,7 +180,9 @@ def _nodes(opts: MethodOptions) -> int:
 
 def _search(opts: MethodOptions, **kw) -> TreeSearchConfig:
     n = _nodes(opts)
-    return TreeSearchConfig(**({"max_nodes": n} if n else {}), **kw)
+    if opts.tree_builder not in BUILDERS:
+        raise DartLabError(f"--tree-builder must be one of {', '.join(BUILDERS)}, got {opts.tree_builder!r}")
+    return TreeSearchConfig(**({"max_nodes": n} if n else {}), **{"builder": opts.tree_builder, **kw})
 
 
 def _dart(target, opts, cache):

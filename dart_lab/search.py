@@ -52,6 +52,7 @@ class TreeSearchConfig:
     ngram_at_level0: bool = False  # the released code has no n-gram term at level 0
     max_depth: int = 0  # levels used; 0 = every level the drafter gives
     eps: float = 1e-10
+    builder: str = "dart"  # what turns the levels into a tree (builders.py): "dart" is this module's search
 
 
 @dataclass

@@ -60,6 +60,27 @@ def check_gpu_check(res, tmp_path):
     for row in res["batch"].values():
         assert row["dart"]["nodes_per_row"] > row["ar"]["nodes_per_row"] == 1 and row["predicted_dart_over_base"] > 0
     assert positive(res["draft_ms"], res["search_ms"]) and res["predicted_best"]["theta"] >= 0
+    assert res["sections_done"] == ["a lossless", "b bandwidth", "c step", "d end to end", "e batches"]
+    assert positive(res["bandwidth"]["copy_gbs"], res["bandwidth"]["read_gbs"]) and res["host"]["torch"]
+    step = res["step"]["shapes"]["toy"]
+    assert set(step["eager"]) == {"32", "64"} and positive(step["floor_ms"], *step["eager"].values())
+    e2e = res["end_to_end"]["eager"]  # the oracle accepts AR's continuation: the same tokens, tau near the paper's
+    assert e2e["same_tokens"] and 2.0 <= e2e["tau"] <= res["paper_tau"] + 1 and positive(e2e["dart_over_ar"])
+    for row in res["batch"].values():
+        assert row["dart-oracle"]["nodes_per_row"] > 1 and positive(row["oracle_over_ar_measured"]) and row["theta"] >= 0
+
+
+def check_tree_builders(res, tmp_path):
+    from dart_lab.builders import BUILDERS
+
+    assert set(res) == {"T0", "T1"}
+    for temp, by_ds in res.items():
+        for by_b in by_ds.values():
+            assert set(by_b) == set(BUILDERS)
+            for r in by_b.values():
+                taus = list(r["tau"].values())
+                assert taus == sorted(taus) and taus[0] >= 1.0 and r["steps"] > 0  # more nodes never accept less
+                assert temp == "T1" or r["match_ar"]  # fp32: every builder's decode is AR's
 
 
 def check_microbench_search(res, tmp_path):
@@ -171,6 +192,7 @@ SCRIPTS = [
     ("engine/verify_latency.py", ["--smoke", "--dtypes", "fp32,bf16", "--contexts", "16,64"], check_verify_latency),
     ("engine/gpu_check.py", ["--toy", "--device", "cpu", "--dtype", "fp32", "--out", "{tmp}/g.json"], check_gpu_check),
     ("engine/microbench_search.py", ["--smoke"], check_microbench_search),
+    ("engine/tree_builders.py", ["--smoke"], check_tree_builders),
     ("engine/draft_cost_by_theta.py", ["--smoke", "dart", "eagle3"], check_draft_cost_by_theta),
     ("engine/trie_read.py", ["--smoke"], check_trie_read),
     ("engine/step_profile.py", ["--smoke", "--rows", "8"], check_step_profile),

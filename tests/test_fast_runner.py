@@ -97,6 +97,27 @@ def test_packed_projections_equal_the_modules_and_follow_weight_edits(arch):
     torch.testing.assert_close(edited, run(False), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (the capture is CUDA-only)")
+def test_graphed_steps_equal_eager_and_every_method_stays_lossless_on_cuda():
+    """`compile_mode="reduce-overhead"` (the compiled steps replayed as CUDA graphs): tree logits equal the eager
+    forward's (fp32) and every method stays token-identical to eager AR."""
+    from test_drafters import all_drafters
+
+    target = make_target(tiny_model("qwen3").cuda(), runner="fast")
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    tree = Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
+    cfg = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
+    target.prefill(prompt)
+    eager = target.verify(tree, want_aux=True)
+    ar = generate(target, prompt, None, cfg)
+    target.compile, target.compile_mode, target.node_buckets, target.compile_capacity = True, "reduce-overhead", (1, 4, 32), 128
+    target.prefill(prompt)
+    graphed = target.verify(tree, want_aux=True)
+    torch.testing.assert_close(graphed.logits, eager.logits, atol=1e-4, rtol=1e-4)
+    for name, d in {k: v for k, v in all_drafters(target).items() if k in ("dart", "eagle3", "pld")}.items():
+        assert generate(target, prompt, d, cfg).tokens == ar.tokens, name
+
+
 @pytest.mark.slow  # torch.compile: tens of seconds
 def test_compiled_steps_equal_eager_and_compile_once_per_shape():
     """torch.compile of the steps (FastTarget.compile, static shapes but the key count): tree logits equal

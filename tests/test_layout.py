@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parent.parent / "dart_lab"
 # only without a circle)
 FLOORS = [
     {"errors", "version", "smoke", "fast", "machine", "atomic", "config", "assets", "hub", "data", "cost"},
-    {"tree", "acceptance", "target", "ngram", "search", "draft_head", "generate", "drafters"},  # the method
+    {"tree", "acceptance", "target", "ngram", "search", "builders", "draft_head", "generate", "drafters"},  # the method
     {"policy", "dart_ctx", "measure", "regenerate", "features", "losses", "viz"},
     {"engine", "engine.kernels", "engine.q4", "engine.int4", "engine.attention", "engine.step", "engine.runner",
      "engine.head", "engine.ops", "engine.on_device", "engine.batch_target", "engine.batch"},

@@ -82,6 +82,9 @@ class FastTarget(Target):
     # compiling costs tens of seconds per shape on a small CPU and pays only over long runs
     # (experiments/engine/compile_bench.py)
     compile: bool = False
+    # torch.compile's mode for those steps: None (inductor's default) or "reduce-overhead" (CUDA graphs on a GPU:
+    # a step there is bound by kernel launches, not by the device)
+    compile_mode: str | None = None
     node_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)  # a step of N nodes runs padded to the next of these
     # compiled attention reads exactly the cached keys, their number a symbol in the graph (None), or a
     # multiple of this many slots (one graph per multiple, the padding read too: dearer, and compiling

@@ -286,7 +286,10 @@ class StepGraph(torch.nn.Module):
                          else target._int4(by_rows=False))
         self.eval()
         # kept out of the module registry (a compiled module holding itself would loop in .modules())
-        object.__setattr__(self, "_compiled", torch.compile(self, dynamic=False, fullgraph=True))
+        # mode "reduce-overhead" (`FastTarget.compile_mode`, CUDA): each shape's graph replayed as a CUDA graph,
+        # one launch a step instead of one a kernel
+        object.__setattr__(self, "_compiled", torch.compile(self, dynamic=False, fullgraph=True,
+                                                            mode=getattr(target, "compile_mode", None)))
         # one graph per shape: allow as many as the buckets can make without falling back to eager, for this
         # module and every one built before it in this process (their graphs share dynamo's code objects)
         key_buckets = target.compile_capacity // target.key_bucket + 1 if target.key_bucket else 1
