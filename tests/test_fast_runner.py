@@ -97,6 +97,18 @@ def test_packed_projections_equal_the_modules_and_follow_weight_edits(arch):
     torch.testing.assert_close(edited, run(False), atol=1e-5, rtol=1e-5)
 
 
+def _eager_reference(target):
+    """A prompt, a 4-node tree and a decode config, with the eager runner's tree verify and greedy AR decode: what the
+    compiled and graphed steps must equal."""
+    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
+    tree = Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
+    cfg = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
+    target.prefill(prompt)
+    eager = target.verify(tree, want_aux=True)
+    ar = generate(target, prompt, None, cfg)
+    return prompt, tree, cfg, eager, ar
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (the capture is CUDA-only)")
 def test_graphed_steps_equal_eager_and_every_method_stays_lossless_on_cuda():
     """`compile_mode="reduce-overhead"` (the compiled steps replayed as CUDA graphs): tree logits equal the eager
@@ -104,12 +116,7 @@ def test_graphed_steps_equal_eager_and_every_method_stays_lossless_on_cuda():
     from test_drafters import all_drafters
 
     target = make_target(tiny_model("qwen3").cuda(), runner="fast")
-    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
-    tree = Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
-    cfg = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
-    target.prefill(prompt)
-    eager = target.verify(tree, want_aux=True)
-    ar = generate(target, prompt, None, cfg)
+    prompt, tree, cfg, eager, ar = _eager_reference(target)
     target.compile, target.compile_mode, target.node_buckets, target.compile_capacity = True, "reduce-overhead", (1, 4, 32), 128
     target.prefill(prompt)
     graphed = target.verify(tree, want_aux=True)
@@ -129,12 +136,7 @@ def test_compiled_steps_equal_eager_and_compile_once_per_shape():
     from test_drafters import all_drafters
 
     target = make_target(tiny_model("qwen3"), runner="fast")  # q/k norms; head_dim != hidden / heads
-    prompt = torch.tensor([5, 9, 14, 5, 9, 22, 31])
-    tree = Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
-    cfg = GenerationConfig(max_new_tokens=30, stop_on_eos=False)
-    target.prefill(prompt)
-    eager = target.verify(tree, want_aux=True)
-    ar = generate(target, prompt, None, cfg)
+    prompt, tree, cfg, eager, ar = _eager_reference(target)
     target.compile, target.node_buckets, target.compile_capacity = True, (1, 32), 128
     graphs = counters["stats"]["unique_graphs"]
     target.prefill(prompt)
